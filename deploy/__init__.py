@@ -1,0 +1,1 @@
+"""Entry points: the `qerl` CLI and the Ray driver's training loop."""

@@ -1,0 +1,160 @@
+"""`qerl train`: the QeRL loop, one plain function that reads top to bottom.
+
+Each step: AQN sigma -> rollout workers (vLLM, current adapter, noised RMSNorm) sample n
+completions per prompt -> task rewards -> group-normalised advantages -> one learner step
+(NF4 base + LoRA, truncated importance weights against the rollout logprobs) -> the new
+adapter goes through the object store into every worker, from memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from random import Random
+
+import ray
+import torch
+import yaml
+
+from deploy.ray_cluster import connect_ray
+from learner.actor import Learner
+from learner.losses import group_advantages
+from learner.model import check_model_folder
+from rollout_server.pool import RolloutPool
+from shared.aqn import aqn_sigma
+from shared.config import QerlConfig
+from shared.errors import QerlError
+from shared.metrics import MetricsWriter, format_step_line
+from shared.tasks import Task, build_task
+from shared.types import SamplingSettings, TrainSample
+
+
+def resolve_model_path(config: QerlConfig, log=print) -> str:
+    if config.model.path is None:
+        from shared.tiny_model import tiny_model_path
+
+        return str(tiny_model_path(log=log))
+    return str(check_model_folder(config.model.path).resolve())
+
+
+@dataclass
+class Run:
+    """The live pieces of a training run: actors, task, tokenizer, output folder."""
+
+    config: QerlConfig
+    run_dir: Path
+    task: Task
+    tokenizer: object
+    learner: ray.actor.ActorHandle
+    pool: RolloutPool
+    started_ray: bool
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        ray.kill(self.learner)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def start_run(config: QerlConfig, log=print) -> Run:
+    """Check the inputs, start (or join) Ray, create the learner and the rollout workers."""
+    run_dir = Path(config.train.run_dir).resolve()
+    if (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
+        raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir or set train.overwrite=true")
+    task = build_task(config.task)
+    model_path = resolve_model_path(config, log)
+    if config.train.overwrite:
+        _remove_run_outputs(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    started_ray = connect_ray(config)
+    try:
+        learner = ray.remote(Learner).options(num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus).remote(
+            model_path, config.lora, config.learner, str(run_dir), config.rollout.dtype, config.train.seed,
+            "cuda" if config.learner.num_gpus > 0 else "cpu",
+        )
+        pool = RolloutPool(ray.get(learner.rollout_base.remote()), config.rollout, config.lora.rank, log=log)
+    except BaseException:
+        if started_ray:
+            ray.shutdown()
+        raise
+    return Run(config, run_dir, task, tokenizer, learner, pool, started_ray)
+
+
+def _remove_run_outputs(run_dir: Path) -> None:
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    for folder in ("final_adapter", "rollout_base"):
+        shutil.rmtree(run_dir / folder, ignore_errors=True)
+
+
+def train(config: QerlConfig, log=print) -> dict:
+    """Run the configured training; returns the last step's metrics plus the output paths."""
+    run = start_run(config, log)
+    try:
+        return train_loop(run, log)
+    finally:
+        run.close()
+
+
+def train_loop(run: Run, log=print) -> dict:
+    config, task, tokenizer, learner, pool = run.config, run.task, run.tokenizer, run.learner, run.pool
+    metrics = MetricsWriter(run.run_dir / "metrics.jsonl")
+    rng = Random(config.train.seed)
+    n = config.rollout.samples_per_prompt
+    record: dict = {}
+    try:
+        for step in range(config.train.steps):
+            step_started = time.perf_counter()
+            sigma = aqn_sigma(config.aqn, step, config.train.steps)
+            pool.set_noise(sigma, seed=config.train.seed * 1_000_003 + step)
+
+            problems = task.sample(rng, config.train.prompts_per_step)
+            prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+            sampling = SamplingSettings(n, config.rollout.temperature, config.rollout.max_new_tokens,
+                                        seed=config.train.seed * 1_000_003 + step * 101)
+            rollout_started = time.perf_counter()
+            completions = pool.generate(prompt_ids, sampling)
+            rollout_s = time.perf_counter() - rollout_started
+
+            texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+            rewards = torch.tensor([task.reward(problems[c.prompt_index], t) for c, t in zip(completions, texts)])
+            advantages = group_advantages(rewards.view(len(problems), n)).flatten()
+            samples = [
+                TrainSample(prompt_ids[c.prompt_index], c.token_ids, c.logprobs, float(a))
+                for c, a in zip(completions, advantages)
+            ]
+            learner_stats = ray.get(learner.train_step.remote(samples, config.rollout.temperature))
+
+            sync_started = time.perf_counter()
+            worker_ms = pool.update_adapter(learner.export_adapter.remote())
+            sync_ms = (time.perf_counter() - sync_started) * 1e3
+
+            generated = sum(len(c.token_ids) for c in completions)
+            record = {
+                "step": step,
+                "rollout/reward_mean": rewards.mean().item(),
+                "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
+                "rollout/pass_at_n": (rewards.view(len(problems), n).max(1).values >= 1.0).float().mean().item(),
+                "rollout/tokens": generated,
+                "rollout/tok_per_s": generated / rollout_s,
+                "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+                "aqn/sigma": sigma,
+                "sync/adapter_ms": sync_ms,
+                "sync/worker_load_ms_max": max(worker_ms),
+                "adapter/version": completions[0].adapter_version,
+                **learner_stats,
+                "time/rollout_s": rollout_s,
+                "time/step_s": time.perf_counter() - step_started,
+            }
+            metrics.write(record)
+            log(format_step_line(record))
+        final_adapter = ray.get(learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
+    finally:
+        metrics.close()
+    log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
+    return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}

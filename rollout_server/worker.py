@@ -1,0 +1,123 @@
+"""RolloutWorker: a Ray actor that owns one vLLM engine with LoRA enabled.
+
+It generates from token-id prompts, returns each sampled token's logprob at the sampling
+temperature, swaps adapters in from memory and applies AQN noise to vLLM's RMSNorm weights.
+All engine internals go through `rollout_server.vllm_internals`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from shared.config import RolloutConfig
+from shared.types import AdapterUpdate, Completion, SamplingSettings
+
+EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
+
+
+class RolloutWorker:
+    def __init__(self, worker_id: int, model_path: str, config: RolloutConfig, max_lora_rank: int):
+        self.worker_id = worker_id
+        self.adapter_version = 0  # 0: the bare base, no adapter yet
+        self.sigma = 0.0
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="qerl-vllm-rpc-"))
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if config.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        from rollout_server.vllm_internals import check_vllm_version
+
+        check_vllm_version()
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=model_path,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            enable_lora=True,
+            max_lora_rank=_vllm_rank(max_lora_rank),
+            max_loras=1,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            distributed_executor_backend="uni" if config.in_process else None,
+            seed=worker_id,
+        )
+        self.start_s = time.perf_counter() - started
+
+    def ready(self) -> dict:
+        return {"worker_id": self.worker_id, "start_s": round(self.start_s, 2), "pid": os.getpid()}
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        from rollout_server.vllm_internals import IN_MEMORY_LORA_PATH
+
+        params = SamplingParams(
+            n=sampling.samples_per_prompt,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_new_tokens,
+            logprobs=0,
+            seed=sampling.seed,
+        )
+        lora = None
+        if self.adapter_version > 0:
+            lora = LoRARequest(f"qerl-v{self.adapter_version}", self.adapter_version, IN_MEMORY_LORA_PATH)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+            params,
+            lora_request=lora,
+            use_tqdm=False,
+        )
+        return [
+            Completion(
+                prompt_index=index,
+                token_ids=list(sample.token_ids),
+                logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                finish_reason=str(sample.finish_reason),
+                adapter_version=self.adapter_version,
+                sigma=self.sigma,
+                worker_id=self.worker_id,
+            )
+            for index, output in enumerate(outputs)
+            for sample in output.outputs
+        ]
+
+    def load_adapter(self, update: AdapterUpdate) -> float:
+        """Swap in `update` from memory; returns the milliseconds it took."""
+        started = time.perf_counter()
+        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.safetensors, update.peft_config))
+        self.adapter_version = update.version
+        return (time.perf_counter() - started) * 1e3
+
+    def set_noise(self, sigma: float, seed: int) -> int:
+        """AQN: fresh noise on every RMSNorm weight (sigma 0 restores the clean weights)."""
+        counts = self.llm.collective_rpc("qerl_set_rmsnorm_noise", args=(sigma, seed))
+        self.sigma = sigma
+        self.llm.reset_prefix_cache()  # cached KV was computed under the previous weights
+        return counts[0]
+
+    def rmsnorm_checksum(self) -> float:
+        return self.llm.collective_rpc("qerl_rmsnorm_checksum")[0]
+
+    def loaded_adapters(self) -> list[int]:
+        return self.llm.collective_rpc("qerl_list_adapters")[0]
+
+    def shutdown(self) -> None:
+        """Stop the engine core first: a multiprocess engine left running leaks /dev/shm."""
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            engine_core.shutdown()
+
+
+def _vllm_rank(rank: int) -> int:
+    """vLLM accepts only some max_lora_rank values; take the smallest that fits `rank`."""
+    for allowed in (8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank 512")

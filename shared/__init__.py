@@ -1,0 +1,1 @@
+"""Code both sides of qerl import: config, wire types, tasks, AQN schedule, metrics, tiny model."""

@@ -1,0 +1,165 @@
+"""Typed run configuration: one pydantic model per component, one root that checks cross-process rules.
+
+A config is a YAML file plus optional `section.key=value` overrides. Unknown keys and wrong
+types are errors (extra="forbid"), reported as one line by `load_config`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shared.errors import QerlError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    path: str | None = None
+    """Local Hugging Face model folder. None: the embedded tiny model (built and cached locally)."""
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(16, ge=1, le=256)
+    """LoRA rank, the same on the learner and in the rollout engines."""
+    alpha: int = Field(32, ge=1)
+    target_modules: str | list[str] = "all-linear"
+    """peft target modules; "all-linear" adapts every linear layer except the output head."""
+
+
+class RolloutConfig(_Strict):
+    num_workers: int = Field(2, ge=1)
+    """Rollout worker actors, each one vLLM engine."""
+    num_cpus_per_worker: float = Field(0.5, gt=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    samples_per_prompt: int = Field(8, ge=1)
+    """Group size n: completions per prompt, normalised together for the advantage."""
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int = Field(256, ge=16)
+    kv_cache_memory_bytes: int | None = Field(64 * 2**20, ge=2**20)
+    """KV cache size per engine; None lets vLLM size it from gpu_memory_utilization."""
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1)
+    in_process: bool = True
+    """Run the engine core inside the actor process (fast start on CPU; the worker is reachable)."""
+    enforce_eager: bool = True
+    """Skip torch.compile/CUDA graphs: right for the tiny CPU model, turn off on GPU for speed."""
+
+
+class AqnConfig(_Strict):
+    enabled: bool = True
+    sigma_start: float = Field(1e-2, ge=0)
+    sigma_end: float = Field(1e-4, ge=0)
+    num_stages: int = Field(10, ge=1)
+    """K equal stages over training; stage 0 is noise-free, then exponential decay."""
+
+
+class LearnerConfig(_Strict):
+    base_format: Literal["nf4", "bf16", "fp32"] = "nf4"
+    """How the learner holds the base: NF4 (bitsandbytes, double quant) or plain LoRA baselines."""
+    lr: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    """Linear learning-rate warm-up: Adam's first steps move every LoRA weight by about lr."""
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    """PPO-style ratio clip."""
+    tis_cap: float = Field(2.0, ge=1)
+    """Truncation of the importance weight learner/rollout (off-policy correction)."""
+    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    micro_batch_size: int = Field(64, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class TaskConfig(_Strict):
+    name: Literal["addition", "jsonl"] = "addition"
+    digits: int = Field(2, ge=1, le=9)
+    """Operand digits for the addition task."""
+    path: str | None = None
+    """JSONL file of {"question", "answer"} lines, for the jsonl task."""
+    prompt_template: str = "Question: {question}\nAnswer:"
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(60, ge=1)
+    prompts_per_step: int = Field(16, ge=1)
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    overwrite: bool = False
+    """Replace the outputs of an earlier run in run_dir (otherwise that is an error)."""
+
+
+class RayConfig(_Strict):
+    address: str | None = None
+    """Cluster address; None starts a local Ray instance."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local instance; None: at least what the actors ask for."""
+
+
+class QerlConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    lora: LoraConfig = LoraConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    aqn: AqnConfig = AqnConfig()
+    learner: LearnerConfig = LearnerConfig()
+    task: TaskConfig = TaskConfig()
+    train: TrainConfig = TrainConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _cross_process_rules(self) -> QerlConfig:
+        if self.task.name == "jsonl" and not self.task.path:
+            raise ValueError("task.path is required for the jsonl task")
+        if self.aqn.enabled and self.aqn.sigma_end > self.aqn.sigma_start:
+            raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
+        if self.rollout.dtype != "float32" and self.rollout.num_gpus_per_worker == 0:
+            raise ValueError("rollout.dtype other than float32 needs GPU workers")
+        return self
+
+
+def _apply_override(tree: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise QerlError(f"override {override!r} is not of the form section.key=value")
+    dotted, raw = override.split("=", 1)
+    *parents, leaf = dotted.strip().split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise QerlError(f"override {override!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    return f"{where}: {first['msg']}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> QerlConfig:
+    """Read a YAML config and apply `a.b=value` overrides; errors are one-line QerlErrors."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise QerlError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise QerlError(f"config {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise QerlError(f"config {path} must be a mapping of sections")
+    for override in overrides or []:
+        _apply_override(tree, override)
+    try:
+        return QerlConfig.model_validate(tree)
+    except ValidationError as error:
+        source = str(path) if path is not None else "config"
+        raise QerlError(f"invalid config {source}: {_first_error(error)}") from None

@@ -1,0 +1,88 @@
+"""A task read from a local JSONL file of {"question", "answer"} lines, GSM8K-style scoring.
+
+The reference answer and the completion both go through `extract_answer`: the text after
+`####`, else the last `\\boxed{...}`, else the last number. Numbers compare by value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from random import Random
+
+from shared.errors import QerlError
+from shared.tasks import Problem
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a solution or completion; None when there is none."""
+    if "####" in text:
+        candidate = text.rsplit("####", 1)[1].strip().splitlines()
+        text_after = candidate[0] if candidate else ""
+        numbers = _NUMBER.findall(text_after)
+        return _normalise(numbers[0]) if numbers else (text_after.strip() or None)
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return _normalise(boxed[-1].strip())
+    numbers = _NUMBER.findall(text)
+    return _normalise(numbers[-1]) if numbers else None
+
+
+def _normalise(answer: str) -> str:
+    cleaned = answer.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        value = float(cleaned)
+    except ValueError:
+        return cleaned
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+@dataclass(frozen=True)
+class JsonlTask:
+    problems: tuple[Problem, ...]
+
+    @classmethod
+    def from_file(cls, path: str | Path, prompt_template: str) -> JsonlTask:
+        path = Path(path)
+        if not path.is_file():
+            raise QerlError(f"dataset file not found: {path}")
+        problems = []
+        with path.open() as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    problems.append(_parse_line(path, number, line, prompt_template))
+        if not problems:
+            raise QerlError(f"dataset {path} has no problems")
+        return cls(tuple(problems))
+
+    def sample(self, rng: Random, count: int) -> list[Problem]:
+        """Distinct problems while the file has enough, so a step never sees one twice."""
+        if count <= len(self.problems):
+            return rng.sample(self.problems, count)
+        return [self.problems[rng.randrange(len(self.problems))] for _ in range(count)]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        predicted = extract_answer(completion)
+        return 1.0 if predicted is not None and predicted == problem.answer else 0.0
+
+
+def _parse_line(path: Path, number: int, line: str, prompt_template: str) -> Problem:
+    where = f"{path}:{number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise QerlError(f"{where}: not valid JSON ({error.msg})") from None
+    if not isinstance(record, dict):
+        raise QerlError(f"{where}: expected an object with 'question' and 'answer'")
+    for key in ("question", "answer"):
+        if not isinstance(record.get(key), (str, int, float)):
+            raise QerlError(f"{where}: missing or non-text field {key!r}")
+    answer = extract_answer(str(record["answer"]))
+    if answer is None:
+        raise QerlError(f"{where}: no final answer found in 'answer'")
+    return Problem(prompt=prompt_template.format(question=record["question"]), answer=answer)

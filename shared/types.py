@@ -1,0 +1,46 @@
+"""Wire types between the driver, the rollout workers and the learner (plain dataclasses)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    samples_per_prompt: int
+    temperature: float
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion, tagged with what produced it."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """Sampled tokens' logprobs at the sampling temperature (vLLM `processed_logprobs`)."""
+    finish_reason: str
+    adapter_version: int
+    sigma: float
+    worker_id: int
+
+
+@dataclass(frozen=True)
+class AdapterUpdate:
+    """A LoRA adapter in flight: peft-named tensors as safetensors bytes plus the peft config."""
+
+    version: int
+    safetensors: bytes
+    peft_config: dict
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """What the learner needs of one completion."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    rollout_logprobs: list[float]
+    advantage: float

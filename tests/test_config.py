@@ -1,0 +1,50 @@
+from pathlib import Path
+
+import pytest
+
+from shared.config import QerlConfig, load_config
+from shared.errors import QerlError
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_configs_folder_is_not_empty():
+    assert CONFIGS, "no shipped configs found"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    config = load_config(path)
+    assert isinstance(config, QerlConfig)
+
+
+def test_overrides_apply_with_yaml_types():
+    config = load_config(None, ["train.steps=3", "learner.lr=1e-4", "aqn.enabled=false", "model.path=null"])
+    assert config.train.steps == 3 and config.learner.lr == 1e-4
+    assert config.aqn.enabled is False and config.model.path is None
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", "train.stepz: Extra inputs are not permitted"),
+        ("train.steps=many", "train.steps: Input should be a valid integer"),
+        ("rollout.num_workers=0", "rollout.num_workers: Input should be greater than or equal to 1"),
+        ("task.name=jsonl", "task.path is required"),
+        ("steps", "not of the form section.key=value"),
+    ],
+)
+def test_bad_config_is_one_line_error(override, message):
+    with pytest.raises(QerlError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(QerlError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(QerlError, match="not valid YAML"):
+        load_config(bad)
