@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: setup
-	$(BIN)/qerl train --config configs/tiny_cpu.yaml
+	$(BIN)/qerl train --config configs/tiny_cpu.yaml train.overwrite=true
 
 # pytest exits 5 when it collects nothing: for this suite that means something is broken.
 test: setup

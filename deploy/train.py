@@ -26,7 +26,7 @@ from rollout_server.pool import RolloutPool
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
 from shared.errors import QerlError
-from shared.metrics import MetricsWriter, format_step_line
+from shared.metrics import MetricsWriter, format_step_line, read_metrics, reward_trend_line
 from shared.tasks import Task, build_task
 from shared.types import SamplingSettings, TrainSample
 
@@ -156,5 +156,6 @@ def train_loop(run: Run, log=print) -> dict:
         final_adapter = ray.get(learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
     finally:
         metrics.close()
+    log(reward_trend_line(read_metrics(metrics.path)))
     log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
     return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}

@@ -35,3 +35,11 @@ def format_step_line(record: dict) -> str:
         f" | sync {record['sync/adapter_ms']:.1f} ms"
         f" | {record['time/step_s']:.2f} s"
     )
+
+
+def reward_trend_line(records: list[dict]) -> str:
+    """Mean reward over the first and the last tenth of the steps: did it learn?"""
+    window = max(1, len(records) // 10)
+    first = sum(r["rollout/reward_mean"] for r in records[:window]) / window
+    last = sum(r["rollout/reward_mean"] for r in records[-window:]) / window
+    return f"[qerl] mean reward, first {window} steps: {first:.3f} -> last {window} steps: {last:.3f}"
