@@ -1,4 +1,8 @@
-"""The `qerl` command: `qerl train --config configs/tiny_cpu.yaml [section.key=value ...]`."""
+"""The `qerl` command.
+
+    qerl train --config configs/tiny_cpu.yaml [section.key=value ...]
+    qerl bench rollout|sync|learner [--model tiny|qwen2.5-7b|/path] [options]
+"""
 
 from __future__ import annotations
 
@@ -14,19 +18,82 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run GRPO training with vLLM rollout workers on Ray")
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=10")
+    _add_bench_parsers(commands.add_parser("bench", help="rollout, adapter-sync and learner benchmarks"))
     return parser
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    model_help = "'tiny', a shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b: random weights) or a local model folder"
+    rollout = kinds.add_parser("rollout", help="vLLM rollout tok/s vs Hugging Face generate, by concurrency")
+    rollout.add_argument("--model", default="tiny", help=model_help)
+    rollout.add_argument("--lora-rank", type=int, default=32, help="0: no adapter")
+    rollout.add_argument("--base-format", default="auto", choices=["auto", "fp32", "bf16", "fp8", "bitsandbytes"])
+    rollout.add_argument("--concurrency", type=_ints, default=(16, 64, 256), help="sequences in flight, e.g. 16,64,256")
+    rollout.add_argument("--prompt-len", type=int, default=256)
+    rollout.add_argument("--gen-len", type=int, default=512)
+    rollout.add_argument("--samples-per-prompt", type=int, default=8)
+    rollout.add_argument("--peer-concurrency", type=_ints, default=(16, 64), help="'' skips the HF peer")
+    rollout.add_argument("--peer-gen-len", type=int, default=64, help="the peer is slow: fewer tokens, same tok/s")
+    rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
+    rollout.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share; the peer needs the rest")
+    rollout.add_argument("--json", help="also write the results here")
+    sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
+    sync.add_argument("--model", default="tiny", help=model_help)
+    sync.add_argument("--lora-rank", type=int, default=16)
+    sync.add_argument("--workers", type=int, default=2)
+    sync.add_argument("--repeats", type=int, default=20)
+    sync.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    sync.add_argument("--json")
+    learner = kinds.add_parser("learner", help="learner step tok/s and peak memory, NF4 vs bf16, by micro-batch")
+    learner.add_argument("--model", default="tiny", help=model_help)
+    learner.add_argument("--formats", default="nf4,bf16", type=lambda t: tuple(t.split(",")))
+    learner.add_argument("--micro-batches", type=_ints, default=(1, 4, 16))
+    learner.add_argument("--prompt-len", type=int, default=256)
+    learner.add_argument("--gen-len", type=int, default=512)
+    learner.add_argument("--lora-rank", type=int, default=32)
+    learner.add_argument("--repeats", type=int, default=2)
+    learner.add_argument("--json")
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "bench")}
+    if args.bench == "rollout":
+        from rollout_server.bench import RolloutBenchArgs, bench_rollout
+
+        bench_rollout(RolloutBenchArgs(**fields))
+    elif args.bench == "sync":
+        from rollout_server.bench import SyncBenchArgs, bench_sync
+
+        bench_sync(SyncBenchArgs(**fields))
+    else:
+        from learner.bench import LearnerBenchArgs, bench_learner
+
+        bench_learner(LearnerBenchArgs(**fields))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            _run_bench(args)
+            return 0
         from shared.config import load_config
 
         config = load_config(args.config, args.overrides)
-        if args.command == "train":
-            from deploy.train import train
+        from deploy.train import train
 
-            train(config)
+        train(config)
     except QerlError as error:
         print(f"qerl: error: {error}", file=sys.stderr)
         return 2

@@ -32,12 +32,23 @@ class Learner:
         device: str = "cpu",
     ):
         torch.manual_seed(seed)
-        self.config = config
-        base = load_base(model_path, config.base_format, device=device)
-        self.pad_id = base.config.pad_token_id or 0
+        base = load_base(model_path, config.base_format, device, compute_dtype=_ROLLOUT_DTYPES[rollout_dtype])
         self.rollout_base_path = str(
             export_rollout_base(base, model_path, Path(run_dir) / "rollout_base", _ROLLOUT_DTYPES[rollout_dtype])
         )
+        self._attach_lora(base, lora, config)
+
+    @classmethod
+    def from_base(cls, base, lora: LoraConfig, config: LearnerConfig) -> Learner:
+        """A learner around an already built base (benchmarks with random weights)."""
+        learner = cls.__new__(cls)
+        learner.rollout_base_path = None
+        learner._attach_lora(base, lora, config)
+        return learner
+
+    def _attach_lora(self, base, lora: LoraConfig, config: LearnerConfig) -> None:
+        self.config = config
+        self.pad_id = base.config.pad_token_id or 0
         self.model = add_lora(base, lora.rank, lora.alpha, lora.target_modules)
         self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay)

@@ -55,6 +55,43 @@ def _keep_exact_nf4_kernels(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def random_base(folder: str | Path, base_format: str, device: str, compute_dtype=torch.bfloat16):
+    """A base with random weights from a config-only folder (benchmarks): built in
+    `compute_dtype` on `device`, then every linear layer but the head quantized to NF4."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    dtype = compute_dtype if base_format == "nf4" else _DTYPES[base_format]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if base_format == "nf4":
+        quantize_linears_to_nf4(model, compute_dtype)
+    model.requires_grad_(False)
+    return model
+
+
+def quantize_linears_to_nf4(model, compute_dtype) -> None:
+    """Swap nn.Linear layers (not the output head) for bitsandbytes NF4 ones, double quant."""
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, torch.nn.Linear) or name == "lm_head":
+                continue
+            device = child.weight.device
+            layer = bnb.nn.Linear4bit(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4", device="meta",
+            )
+            layer.weight = bnb.nn.Params4bit(
+                child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+            ).to(device)
+            if child.bias is not None:
+                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, layer)
+    _keep_exact_nf4_kernels(model)
+
+
 def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
     from peft import LoraConfig, get_peft_model
 

@@ -7,21 +7,12 @@ node with the resources the config asks for.
 
 from __future__ import annotations
 
-import os
-
 import ray
 
 from rollout_server.worker import RolloutWorker
 from shared.config import RolloutConfig
 from shared.types import AdapterUpdate, Completion, SamplingSettings
 
-# vLLM's start-up chatter would drown the driver's one line per step: errors only, unless the
-# user asks for more with QERL_VLLM_LOG_LEVEL.
-WORKER_ENV = {
-    "VLLM_LOGGING_LEVEL": os.environ.get("QERL_VLLM_LOG_LEVEL", "ERROR"),
-    "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning",
-}
 
 
 class RolloutPool:
@@ -32,7 +23,6 @@ class RolloutPool:
         actor = ray.remote(RolloutWorker).options(
             num_cpus=config.num_cpus_per_worker,
             num_gpus=config.num_gpus_per_worker,
-            runtime_env={"env_vars": WORKER_ENV},
         )
         self.workers = [
             actor.remote(index, model_path, config, max_lora_rank) for index in range(config.num_workers)

@@ -10,11 +10,18 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 
 from shared.config import RolloutConfig
 from shared.types import AdapterUpdate, Completion, SamplingSettings
 
 EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
+# vLLM's start-up chatter would drown the driver's one line per step: errors only, unless the
+# user asks for more with QERL_VLLM_LOG_LEVEL. Set before vLLM is first imported.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": os.environ.get("QERL_VLLM_LOG_LEVEL", "ERROR"),
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 class RolloutWorker:
@@ -22,6 +29,9 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet
         self.sigma = 0.0
+        for key, value in QUIET_ENV.items():
+            os.environ.setdefault(key, value)
+        warnings.filterwarnings("ignore", category=FutureWarning)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="qerl-vllm-rpc-"))
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if config.in_process:
@@ -45,6 +55,9 @@ class RolloutWorker:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             distributed_executor_backend="uni" if config.in_process else None,
+            quantization=config.quantization,
+            load_format=config.load_format,
+            skip_tokenizer_init=config.load_format == "dummy",  # shape-only folders have no tokenizer
             seed=worker_id,
         )
         self.start_s = time.perf_counter() - started
@@ -64,6 +77,7 @@ class RolloutWorker:
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
             seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
         )
         lora = None
         if self.adapter_version > 0:
@@ -93,6 +107,15 @@ class RolloutWorker:
         started = time.perf_counter()
         self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.safetensors, update.peft_config))
         self.adapter_version = update.version
+        return (time.perf_counter() - started) * 1e3
+
+    def load_adapter_from_disk(self, folder: str, version: int) -> float:
+        """The disk route (a peft folder through vLLM's public add_lora), for comparison."""
+        from vllm.lora.request import LoRARequest
+
+        started = time.perf_counter()
+        self.llm.llm_engine.add_lora(LoRARequest(f"qerl-v{version}", version, folder, load_inplace=True))
+        self.adapter_version = version
         return (time.perf_counter() - started) * 1e3
 
     def set_noise(self, sigma: float, seed: int) -> int:

@@ -50,6 +50,11 @@ class RolloutConfig(_Strict):
     """Run the engine core inside the actor process (fast start on CPU; the worker is reachable)."""
     enforce_eager: bool = True
     """Skip torch.compile/CUDA graphs: right for the tiny CPU model, turn off on GPU for speed."""
+    quantization: str | None = None
+    """vLLM quantization method for the served base (e.g. "fp8", "bitsandbytes" on vLLM 0.26);
+    None serves the learner's dequantized base, the exact policy."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """"dummy": random weights of the right shape (benchmarks only)."""
 
 
 class AqnConfig(_Strict):
@@ -121,6 +126,8 @@ class QerlConfig(_Strict):
             raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
         if self.rollout.dtype != "float32" and self.rollout.num_gpus_per_worker == 0:
             raise ValueError("rollout.dtype other than float32 needs GPU workers")
+        if self.rollout.load_format == "dummy":
+            raise ValueError("rollout.load_format=dummy (random weights) is for benchmarks, not training")
         return self
 
 

@@ -11,6 +11,8 @@ class SamplingSettings:
     temperature: float
     max_new_tokens: int
     seed: int
+    ignore_eos: bool = False
+    """Run every request to max_new_tokens (benchmarks)."""
 
 
 @dataclass(frozen=True)

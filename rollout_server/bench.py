@@ -1,0 +1,222 @@
+"""`qerl bench rollout` and `qerl bench sync`.
+
+rollout: generated tokens/s of one vLLM rollout engine (with a LoRA adapter loaded from
+memory) across a concurrency sweep, and, in the same run on the same prompts, of the peer a
+user would otherwise use: Hugging Face `generate` on the same base with the same peft adapter.
+Every request runs to max_tokens (ignore_eos), so random weights measure real speed.
+
+sync: adapter push latency from the driver into N workers, in memory (object store ->
+worker extension) vs a peft folder on disk (vLLM's add_lora), p50/p95.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from rollout_server.worker import RolloutWorker
+from shared.bench_utils import (
+    copy_bandwidth, environment_facts, percentile, print_table, resolve_bench_model, weight_bytes, write_json,
+)
+from shared.config import RolloutConfig
+from shared.random_adapter import random_adapter, write_peft_folder
+from shared.types import SamplingSettings
+
+
+@dataclass(frozen=True)
+class RolloutBenchArgs:
+    model: str = "tiny"
+    lora_rank: int = 32
+    base_format: str = "auto"
+    concurrency: tuple[int, ...] = (16, 64, 256)
+    prompt_len: int = 256
+    gen_len: int = 512
+    samples_per_prompt: int = 8
+    peer_concurrency: tuple[int, ...] = (16, 64)
+    peer_gen_len: int = 64
+    peer_format: str = "nf4"
+    gpu_memory_utilization: float = 0.6
+    json: str | None = None
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: float, max_len: int,
+                    workers: int = 1, eager: bool | None = None) -> RolloutConfig:
+    gpu = _device() == "cuda"
+    quantization = base_format if base_format in ("fp8", "bitsandbytes") else None
+    return RolloutConfig(
+        num_workers=workers,
+        num_gpus_per_worker=1 / workers if gpu else 0,
+        dtype="bfloat16" if gpu else "float32",
+        max_model_len=max_len,
+        kv_cache_memory_bytes=None if gpu else 512 * 2**20,
+        gpu_memory_utilization=args_gpu_util / workers,
+        enforce_eager=(not gpu) if eager is None else eager,
+        quantization=quantization,
+        load_format="dummy" if folder_is_random else "auto",
+    )
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
+    from transformers import AutoConfig
+
+    folder, is_random = resolve_bench_model(args.model)
+    device = _device()
+    base_format = args.base_format if args.base_format != "auto" else ("bf16" if device == "cuda" else "fp32")
+    vocab = AutoConfig.from_pretrained(folder).vocab_size
+    n = args.samples_per_prompt
+    log(f"[qerl] bench rollout: {args.model} ({'random weights' if is_random else folder}), base {base_format}, "
+        f"LoRA r{args.lora_rank}, prompt {args.prompt_len}, gen {args.gen_len}, n={n}, device {device}")
+    adapter = random_adapter(folder, args.lora_rank) if args.lora_rank else None
+
+    config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16)
+    worker = RolloutWorker(0, str(folder), config,
+                           max(args.lora_rank, 8))
+    if adapter is not None:
+        worker.load_adapter(adapter)
+    worker.generate(_random_prompts(1, args.prompt_len, vocab, 0), SamplingSettings(n, 1.0, 8, 0, ignore_eos=True))
+    bandwidth = copy_bandwidth(device)
+    step_floor_s = weight_bytes(folder, base_format) / bandwidth
+    rows = []
+    for seqs in args.concurrency:
+        prompts = _random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs)
+        sampling = SamplingSettings(n, 1.0, args.gen_len, seed=seqs, ignore_eos=True)
+        started = time.perf_counter()
+        completions = worker.generate(prompts, sampling)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(c.token_ids) for c in completions)
+        rows.append({"engine": f"vllm {base_format}", "seqs": len(completions), "tok_per_s": tokens / elapsed,
+                     "floor_tok_per_s": len(completions) / step_floor_s})
+        log(f"[qerl]   vLLM {len(completions)} seqs: {tokens / elapsed:,.0f} tok/s")
+    worker.shutdown()
+    del worker
+
+    peers = hf_generate_throughput(folder, is_random, args, adapter, vocab, log) if args.peer_concurrency else {}
+    for row in rows:
+        peer = peers.get(row["seqs"])
+        row["peer_tok_per_s"] = peer
+        row["ratio_to_peer"] = row["tok_per_s"] / peer if peer else None
+    print_table(
+        ["engine", "seqs", "tok/s", "HF peer tok/s", "ratio", "floor tok/s"],
+        [[r["engine"], r["seqs"], r["tok_per_s"], r["peer_tok_per_s"], r["ratio_to_peer"], r["floor_tok_per_s"]]
+         for r in rows],
+        log,
+    )
+    log(f"[qerl] floor: {weight_bytes(folder, base_format) / 2**30:.2f} GiB of weights / "
+        f"{bandwidth / 1e9:,.0f} GB/s measured copy bandwidth = {step_floor_s * 1e3:.2f} ms per decode step")
+    result = {"benchmark": "rollout", "args": args.__dict__, "environment": environment_facts(),
+              "bandwidth_bytes_per_s": bandwidth, "decode_step_floor_ms": step_floor_s * 1e3, "rows": rows,
+              "peer": {"format": args.peer_format, "gen_len": args.peer_gen_len,
+                       "tok_per_s": {str(k): v for k, v in peers.items()}}}
+    write_json(args.json, result, log)
+    return result
+
+
+def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs, adapter, vocab: int,
+                           log=print) -> dict[int, float]:
+    """Hugging Face generate with the same base (in args.peer_format) and the same peft adapter."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load
+
+    from learner.model import add_lora, load_base, random_base
+
+    device = _device()
+    compute = torch.bfloat16 if device == "cuda" else torch.float32
+    if is_random:
+        base = random_base(folder, args.peer_format, device, compute)
+    else:
+        base = load_base(folder, args.peer_format, device, compute)
+    model = base
+    if adapter is not None:
+        model = add_lora(base, args.lora_rank, adapter.peft_config["lora_alpha"], adapter.peft_config["target_modules"])
+        set_peft_model_state_dict(model, {k.replace("base_model.model.", "", 1): v for k, v in load(adapter.safetensors).items()})
+    model.train(False)
+    results = {}
+    n = args.samples_per_prompt
+    for seqs in args.peer_concurrency:
+        prompts = torch.tensor(_random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs), device=device)
+        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=args.peer_gen_len,
+                      min_new_tokens=args.peer_gen_len, num_return_sequences=n, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(prompts[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+            _sync(device)
+            started = time.perf_counter()
+            output = model.generate(prompts, **kwargs)
+            _sync(device)
+        elapsed = time.perf_counter() - started
+        generated = (output.shape[1] - prompts.shape[1]) * output.shape[0]
+        results[output.shape[0]] = generated / elapsed
+        log(f"[qerl]   HF generate ({args.peer_format} + peft) {output.shape[0]} seqs: {generated / elapsed:,.1f} tok/s")
+    del model, base
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass(frozen=True)
+class SyncBenchArgs:
+    model: str = "tiny"
+    lora_rank: int = 16
+    workers: int = 2
+    repeats: int = 20
+    gpu_memory_utilization: float = 0.8
+    json: str | None = None
+
+
+def bench_sync(args: SyncBenchArgs, log=print) -> dict:
+    import ray
+
+    from rollout_server.pool import RolloutPool
+
+    folder, is_random = resolve_bench_model(args.model)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=max(2, args.workers + 1), include_dashboard=False)
+    config = _rollout_config(is_random, "bf16" if _device() == "cuda" else "fp32", args.gpu_memory_utilization,
+                             max_len=256, workers=args.workers, eager=True)
+    config = config.model_copy(update={"num_cpus_per_worker": 0.5 if _device() == "cpu" else 1.0})
+    pool = RolloutPool(str(folder), config, args.lora_rank, log=log)
+    update = random_adapter(folder, args.lora_rank)
+    size_mb = len(update.safetensors) / 2**20
+    log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB fp32), {args.workers} workers")
+    memory, disk = [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="qerl-sync-") as scratch:
+            for index in range(args.repeats + 1):  # the first of each is a warm-up
+                version = 2 * index + 1
+                started = time.perf_counter()
+                pool.update_adapter(ray.put(replace(update, version=version)))
+                memory.append((time.perf_counter() - started) * 1e3)
+                started = time.perf_counter()
+                path = write_peft_folder(update, Path(scratch) / f"v{version + 1}")
+                ray.get([w.load_adapter_from_disk.remote(str(path), version + 1) for w in pool.workers])
+                disk.append((time.perf_counter() - started) * 1e3)
+    finally:
+        pool.shutdown()
+        if started_ray:
+            ray.shutdown()
+    rows = [{"route": route, "p50_ms": percentile(times[1:], 50), "p95_ms": percentile(times[1:], 95)}
+            for route, times in (("in-memory (object store)", memory), ("disk (peft folder, add_lora)", disk))]
+    print_table(["route", "p50 ms", "p95 ms"], [[r["route"], r["p50_ms"], r["p95_ms"]] for r in rows], log)
+    result = {"benchmark": "sync", "args": args.__dict__, "environment": environment_facts(),
+              "adapter_mb": size_mb, "rows": rows}
+    write_json(args.json, result, log)
+    return result

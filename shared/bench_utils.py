@@ -1,0 +1,103 @@
+"""Helpers every benchmark uses: model resolution, memory-bandwidth floor, percentiles, tables."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from shared.errors import QerlError
+
+# Bytes per weight of the served linear layers, by rollout base format (4-bit: packed + scales).
+LINEAR_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "bitsandbytes": 0.53, "gptq": 0.53}
+
+
+def resolve_bench_model(name: str) -> tuple[Path, bool]:
+    """(folder, random weights?) for "tiny", a named shape, or a local model folder."""
+    from shared.model_shapes import is_shape_name, shape_folder
+    from shared.tiny_model import tiny_model_path
+
+    if name == "tiny":
+        return tiny_model_path(), False
+    if is_shape_name(name):
+        return shape_folder(name), True
+    folder = Path(name)
+    if not (folder / "config.json").is_file():
+        raise QerlError(f"--model {name!r} is neither 'tiny', a known shape, nor a model folder with config.json")
+    return folder, False
+
+
+def weight_bytes(model_folder: Path, base_format: str) -> float:
+    """Bytes one decode step must read: linear layers in `base_format`, the rest in 16/32-bit."""
+    from shared.random_adapter import linear_layer_shapes
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_folder)
+    linear = sum(fan_in * fan_out for fan_in, fan_out in linear_layer_shapes(model_folder).values())
+    embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    other_bytes = 4.0 if base_format == "fp32" else 2.0
+    return linear * LINEAR_BYTES[base_format] + embed * other_bytes
+
+
+def copy_bandwidth(device: str, megabytes: int = 1024, repeats: int = 10) -> float:
+    """Measured device memory bandwidth in bytes/s (a copy reads and writes every byte)."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        target.copy_(source)
+    _sync(device)
+    return 2 * source.numel() * repeats / (time.perf_counter() - started)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def print_table(headers: list[str], rows: list[list], log=print) -> None:
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    log("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        log("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def write_json(path: str | None, payload: dict, log=print) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2))
+        log(f"[qerl] results: {path}")
+
+
+def environment_facts() -> dict:
+    import platform
+
+    import transformers
+    import vllm
+
+    facts = {"torch": torch.__version__, "vllm": vllm.__version__, "transformers": transformers.__version__,
+             "python": platform.python_version()}
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        facts["cpu"] = platform.processor() or platform.machine()
+    return facts

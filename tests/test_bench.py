@@ -1,0 +1,61 @@
+"""The three benchmarks run end to end on the tiny model and report sane figures (CPU smoke;
+the numbers that matter come from the GPU run in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _bench(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "bench", *args, "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_rollout_measures_vllm_and_the_hf_peer(tmp_path):
+    report = _bench(tmp_path, "rollout", "--model", "tiny", "--lora-rank", "16", "--concurrency", "8,32",
+                    "--prompt-len", "8", "--gen-len", "16", "--samples-per-prompt", "4",
+                    "--peer-concurrency", "8", "--peer-gen-len", "8")
+    rows = {row["seqs"]: row for row in report["rows"]}
+    assert set(rows) == {8, 32}
+    assert all(row["tok_per_s"] > 0 and row["floor_tok_per_s"] > row["tok_per_s"] for row in rows.values())
+    assert rows[8]["peer_tok_per_s"] > 0 and rows[8]["ratio_to_peer"] == pytest.approx(
+        rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
+    assert rows[32]["peer_tok_per_s"] is None
+    assert report["decode_step_floor_ms"] > 0 and report["environment"]["vllm"].startswith("0.")
+
+
+def test_bench_sync_compares_memory_and_disk(tmp_path):
+    report = _bench(tmp_path, "sync", "--model", "tiny", "--lora-rank", "16", "--workers", "2", "--repeats", "3")
+    routes = [row["route"] for row in report["rows"]]
+    assert routes == ["in-memory (object store)", "disk (peft folder, add_lora)"]
+    assert all(0 < row["p50_ms"] <= row["p95_ms"] for row in report["rows"])
+    assert report["adapter_mb"] > 0
+
+
+def test_bench_learner_covers_formats_and_micro_batches(tmp_path):
+    report = _bench(tmp_path, "learner", "--model", "tiny", "--micro-batches", "1,2", "--prompt-len", "8",
+                    "--gen-len", "8", "--lora-rank", "8", "--repeats", "1")
+    assert [(r["base"], r["micro_batch"]) for r in report["rows"]] == [("nf4", 1), ("nf4", 2), ("bf16", 1), ("bf16", 2)]
+    assert all(r["tok_per_s"] > 0 and r["step_ms"] > 0 for r in report["rows"])
+
+
+def test_unknown_model_is_a_one_line_error():
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "rollout", "--model", "qwen9-400b"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "qerl: error: --model 'qwen9-400b' is neither 'tiny', a known shape, nor a model folder with config.json"
+    ]
