@@ -50,6 +50,12 @@ class QerlWorkerExtension:
         helper.validate_legal(manager.lora_config)
         model = manager._adapter_manager.model
         mapper = getattr(model, "hf_to_vllm_mapper", None)
+        # Keep q_proj/k_proj/... names so the LoRA manager packs them itself, as vLLM's own
+        # loader does: 0.32 calls this view get_rename_mapper, 0.26 get_unstacked_mapper.
+        for view in ("get_rename_mapper", "get_unstacked_mapper"):
+            if mapper is not None and hasattr(mapper, view):
+                mapper = getattr(mapper, view)()
+                break
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,
             tensors=load_safetensors(safetensors_bytes),
@@ -57,7 +63,7 @@ class QerlWorkerExtension:
             device="cpu",
             dtype=manager.lora_config.lora_dtype,
             model_vocab_size=manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            weights_mapper=mapper,
         )
         if not lora.loras:
             raise ValueError("adapter has no LoRA tensors that match the served model")

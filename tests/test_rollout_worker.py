@@ -17,7 +17,10 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["12+34=", "57+88=", "90+19=", "33+33="]
 SAMPLING = SamplingSettings(samples_per_prompt=4, temperature=1.0, max_new_tokens=6, seed=11)
-PARITY_TOLERANCE = 1e-3  # fp32 on both sides; measured ~1e-6
+# CPU: fp32 on both sides (measured ~1e-6). CUDA: vLLM's LoRA kernels need bf16, so both
+# sides run bf16 and differ by rounding.
+PARITY_TOLERANCE = {"cpu": 1e-3, "cuda": 0.5}
+DTYPE = {"cpu": "float32", "cuda": "bfloat16"}
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -29,14 +32,14 @@ def device(request) -> str:
 def learner(tiny_model, tmp_path_factory, device):
     return Learner(
         str(tiny_model), LoraConfig(rank=8, alpha=16), LearnerConfig(lr=1e-2, warmup_steps=0),
-        str(tmp_path_factory.mktemp("run")), seed=0, device=device,
+        str(tmp_path_factory.mktemp("run")), rollout_dtype=DTYPE[device], seed=0, device=device,
     )
 
 
 @pytest.fixture(scope="module")
 def worker(ray_local, learner, device):
     gpus = 0.5 if device == "cuda" else 0
-    config = RolloutConfig(num_gpus_per_worker=gpus, gpu_memory_utilization=0.3)
+    config = RolloutConfig(num_gpus_per_worker=gpus, gpu_memory_utilization=0.3, dtype=DTYPE[device])
     actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=gpus).remote(0, learner.rollout_base(), config, 8)
     ray.get(actor.ready.remote())
     yield actor
@@ -55,24 +58,24 @@ def prompt_ids(tiny_model):
 def _max_logprob_gap(learner, prompt_ids, completions) -> float:
     pairs = [(prompt_ids[c.prompt_index], c.token_ids) for c in completions]
     learner_logprobs = learner.logprobs(pairs, SAMPLING.temperature)
-    return max(
-        abs(a - b) for c, row in zip(completions, learner_logprobs) for a, b in zip(c.logprobs, row)
-    )
+    gaps = [abs(a - b) for c, row in zip(completions, learner_logprobs) for a, b in zip(c.logprobs, row)]
+    print(f"logprob gap worker vs learner: max {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}")
+    return max(gaps)
 
 
 def _generate(worker, prompt_ids):
     return ray.get(worker.generate.remote(prompt_ids, SAMPLING))
 
 
-def test_worker_matches_learner_on_the_base(worker, learner, prompt_ids):
+def test_worker_matches_learner_on_the_base(worker, learner, prompt_ids, device):
     completions = _generate(worker, prompt_ids)
     assert len(completions) == len(PROMPTS) * SAMPLING.samples_per_prompt
     assert all(c.adapter_version == 0 and c.worker_id == 0 for c in completions)
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in completions)
-    assert _max_logprob_gap(learner, prompt_ids, completions) < PARITY_TOLERANCE
+    assert _max_logprob_gap(learner, prompt_ids, completions) < PARITY_TOLERANCE[device]
 
 
-def test_adapter_push_from_memory_changes_outputs_and_version(worker, learner, prompt_ids):
+def test_adapter_push_from_memory_changes_outputs_and_version(worker, learner, prompt_ids, device):
     before = _generate(worker, prompt_ids)
     samples = [
         TrainSample(prompt_ids[c.prompt_index], c.token_ids, c.logprobs, 1.0 if i % 2 else -1.0)
@@ -90,7 +93,7 @@ def test_adapter_push_from_memory_changes_outputs_and_version(worker, learner, p
     assert all(c.adapter_version == 3 for c in after)
     assert [c.logprobs for c in after] != [c.logprobs for c in before]
     # the worker now serves base + adapter v3, exactly what the learner holds
-    assert _max_logprob_gap(learner, prompt_ids, after) < PARITY_TOLERANCE
+    assert _max_logprob_gap(learner, prompt_ids, after) < PARITY_TOLERANCE[device]
 
 
 def test_aqn_noise_reaches_vllm_rmsnorm_and_sigma_zero_restores(worker, prompt_ids, tiny_model):

@@ -23,7 +23,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       # pytest is not on the GPU image: install the wheels carried in .gpu/extra
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
-      run tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests ;;
+      run tests python3 -m pytest -m gpu -q -rsP -p no:cacheprovider tests ;;
     rollout)
       run rollout qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
           --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 16,64 \
