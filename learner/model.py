@@ -64,6 +64,9 @@ def random_base(folder: str | Path, base_format: str, device: str, compute_dtype
     dtype = compute_dtype if base_format == "nf4" else _DTYPES[base_format]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # built on a device context the weights can be left uninitialised
+        for param in model.parameters():
+            param.fill_(1.0) if param.dim() == 1 else param.normal_(0.0, 0.02)
     if base_format == "nf4":
         quantize_linears_to_nf4(model, compute_dtype)
     model.requires_grad_(False)
