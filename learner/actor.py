@@ -14,6 +14,7 @@ import torch
 from learner.logprobs import completion_logprobs
 from learner.losses import aggregate, policy_loss_terms
 from learner.model import add_lora, export_rollout_base, load_base
+from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig
 from shared.types import AdapterUpdate, TrainSample
 
@@ -37,12 +38,14 @@ class Learner:
             export_rollout_base(base, model_path, Path(run_dir) / "rollout_base", _ROLLOUT_DTYPES[rollout_dtype])
         )
         self._attach_lora(base, lora, config)
+        self.adapter_dtype = _ROLLOUT_DTYPES[rollout_dtype]
 
     @classmethod
     def from_base(cls, base, lora: LoraConfig, config: LearnerConfig) -> Learner:
         """A learner around an already built base (benchmarks with random weights)."""
         learner = cls.__new__(cls)
         learner.rollout_base_path = None
+        learner.adapter_dtype = torch.float32
         learner._attach_lora(base, lora, config)
         return learner
 
@@ -113,12 +116,12 @@ class Learner:
         return [row[: len(c)].tolist() for row, (_, c) in zip(scores.logprobs.cpu(), pairs)]
 
     def export_adapter(self) -> AdapterUpdate:
-        """The current LoRA tensors (peft names) as safetensors bytes, tagged with the version."""
+        """The current LoRA tensors (peft names) in the rollout engine's dtype, tagged with the
+        version; converting here, once, spares every worker the conversion."""
         from peft import get_peft_model_state_dict
-        from safetensors.torch import save
 
-        tensors = {k: v.detach().float().cpu().contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
-        return AdapterUpdate(version=self.version, safetensors=save(tensors), peft_config=self.peft_config())
+        payload = encode_adapter(get_peft_model_state_dict(self.model), self.adapter_dtype)
+        return AdapterUpdate(version=self.version, payload=payload, peft_config=self.peft_config())
 
     def peft_config(self) -> dict:
         """adapter_config.json as a JSON-safe dict (peft keeps target_modules as a set)."""

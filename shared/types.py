@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -31,10 +33,11 @@ class Completion:
 
 @dataclass(frozen=True)
 class AdapterUpdate:
-    """A LoRA adapter in flight: peft-named tensors as safetensors bytes plus the peft config."""
+    """A LoRA adapter in flight: peft-named tensors in the engine's LoRA dtype, encoded by
+    `shared.adapter_payload` (safetensors bytes in a numpy array), plus the peft config."""
 
     version: int
-    safetensors: bytes
+    payload: np.ndarray
     peft_config: dict
 
 

