@@ -44,7 +44,9 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--gen-len", type=int, default=512)
     rollout.add_argument("--samples-per-prompt", type=int, default=8)
     rollout.add_argument("--peer-concurrency", type=_ints, default=(16, 64), help="'' skips the HF peer")
-    rollout.add_argument("--peer-gen-len", type=int, default=64, help="the peer is slow: fewer tokens, same tok/s")
+    rollout.add_argument("--peer-gen-len", type=int, default=None,
+                         help="tokens the peer generates (default: --gen-len; fewer is quicker but flatters the "
+                              "peer, whose cost per token grows with length)")
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share; the peer needs the rest")
     rollout.add_argument("--json", help="also write the results here")

@@ -39,7 +39,8 @@ class RolloutBenchArgs:
     gen_len: int = 512
     samples_per_prompt: int = 8
     peer_concurrency: tuple[int, ...] = (16, 64)
-    peer_gen_len: int = 64
+    peer_gen_len: int | None = None
+    """Tokens the HF peer generates; None: the same as gen_len (a fair comparison)."""
     peer_format: str = "nf4"
     gpu_memory_utilization: float = 0.6
     json: str | None = None
@@ -120,7 +121,7 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
         f"{bandwidth / 1e9:,.0f} GB/s measured copy bandwidth = {step_floor_s * 1e3:.2f} ms per decode step")
     result = {"benchmark": "rollout", "args": args.__dict__, "environment": environment_facts(),
               "bandwidth_bytes_per_s": bandwidth, "decode_step_floor_ms": step_floor_s * 1e3, "rows": rows,
-              "peer": {"format": args.peer_format, "gen_len": args.peer_gen_len,
+              "peer": {"format": args.peer_format, "gen_len": args.peer_gen_len or args.gen_len,
                        "tok_per_s": {str(k): v for k, v in peers.items()}}}
     write_json(args.json, result, log)
     return result
@@ -148,8 +149,9 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
     n = args.samples_per_prompt
     for seqs in args.peer_concurrency:
         prompts = torch.tensor(_random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs), device=device)
-        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=args.peer_gen_len,
-                      min_new_tokens=args.peer_gen_len, num_return_sequences=n, pad_token_id=0)
+        length = args.peer_gen_len or args.gen_len
+        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=length,
+                      min_new_tokens=length, num_return_sequences=n, pad_token_id=0)
         with torch.no_grad():
             model.generate(prompts[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
             _sync(device)

@@ -27,7 +27,7 @@ for stage in ${*:-tests rollout sync learner train}; do
     rollout)
       run rollout qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
           --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 16,64 \
-          --peer-gen-len 64 --peer-format nf4 --json "$out/rollout_7b.json" ;;
+          --peer-format nf4 --json "$out/rollout_7b.json" ;;
     sync)
       run sync qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
           --json "$out/sync_7b.json" ;;
