@@ -33,9 +33,12 @@ from shared.types import SamplingSettings, TrainSample
 
 def resolve_model_path(config: QerlConfig, log=print) -> str:
     if config.model.path is None:
-        from shared.tiny_model import tiny_model_path
+        from shared.tiny_model import tiny_model_path, tiny_model_report
 
-        return str(tiny_model_path(log=log))
+        path = tiny_model_path(log=log)
+        accuracy = tiny_model_report(path)["greedy_accuracy"]
+        log(f"[qerl] embedded tiny model {path.name}: starting greedy accuracy {accuracy:.0%}")
+        return str(path)
     return str(check_model_folder(config.model.path).resolve())
 
 

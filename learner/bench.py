@@ -11,7 +11,7 @@ import torch
 
 from learner.actor import Learner
 from learner.model import load_base, random_base
-from shared.bench_utils import environment_facts, print_table, resolve_bench_model, write_json
+from shared.bench_utils import environment_facts, print_table, resolve_bench_model, sync_device, write_json
 from shared.config import LearnerConfig, LoraConfig
 from shared.types import TrainSample
 
@@ -58,14 +58,13 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
         for micro_batch in args.micro_batches:
             samples = _random_samples(micro_batch, args.prompt_len, args.gen_len, vocab)
             learner.train_step(samples, 1.0)  # warm-up: allocator, kernels
+            sync_device(device)
             if device == "cuda":
-                torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
             for _ in range(args.repeats):
                 learner.train_step(samples, 1.0)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            sync_device(device)
             step_s = (time.perf_counter() - started) / args.repeats
             tokens = micro_batch * (args.prompt_len + args.gen_len)
             rows.append({"base": base_format, "micro_batch": micro_batch, "tok_per_s": tokens / step_s,

@@ -21,7 +21,8 @@ import torch
 
 from rollout_server.worker import RolloutWorker
 from shared.bench_utils import (
-    copy_bandwidth, environment_facts, percentile, print_table, resolve_bench_model, weight_bytes, write_json,
+    copy_bandwidth, environment_facts, percentile, print_table, resolve_bench_model, sync_device, weight_bytes,
+    write_json,
 )
 from shared.adapter_payload import decode_adapter
 from shared.config import RolloutConfig
@@ -154,10 +155,10 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
                       min_new_tokens=length, num_return_sequences=n, pad_token_id=0)
         with torch.no_grad():
             model.generate(prompts[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-            _sync(device)
+            sync_device(device)
             started = time.perf_counter()
             output = model.generate(prompts, **kwargs)
-            _sync(device)
+            sync_device(device)
         elapsed = time.perf_counter() - started
         generated = (output.shape[1] - prompts.shape[1]) * output.shape[0]
         results[output.shape[0]] = generated / elapsed
@@ -166,11 +167,6 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
     if device == "cuda":
         torch.cuda.empty_cache()
     return results
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 @dataclass(frozen=True)

@@ -132,10 +132,9 @@ class RolloutWorker:
         return self.llm.collective_rpc("qerl_list_adapters")[0]
 
     def shutdown(self) -> None:
-        """Stop the engine core first: a multiprocess engine left running leaks /dev/shm."""
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
+        from rollout_server.vllm_internals import shutdown_engine
+
+        shutdown_engine(self.llm)
 
 
 def _vllm_rank(rank: int) -> int:

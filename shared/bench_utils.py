@@ -46,15 +46,16 @@ def copy_bandwidth(device: str, megabytes: int = 1024, repeats: int = 10) -> flo
     source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
-    _sync(device)
+    sync_device(device)
     started = time.perf_counter()
     for _ in range(repeats):
         target.copy_(source)
-    _sync(device)
+    sync_device(device)
     return 2 * source.numel() * repeats / (time.perf_counter() - started)
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for queued GPU work, so that wall-clock timings cover it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 

@@ -77,6 +77,11 @@ def tiny_model_path(recipe: dict = RECIPE, log=print) -> Path:
     return target
 
 
+def tiny_model_report(folder: Path) -> dict:
+    """The build report: recipe, greedy accuracy after the warm start, build seconds."""
+    return json.loads((folder / RECIPE_FILE).read_text())
+
+
 def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -1,6 +1,4 @@
-import json
-
-from shared.tiny_model import RECIPE, RECIPE_FILE, build_tokenizer, recipe_hash, tiny_model_path
+from shared.tiny_model import RECIPE, build_tokenizer, recipe_hash, tiny_model_path, tiny_model_report
 
 
 def test_character_tokenizer_round_trips():
@@ -16,7 +14,7 @@ def test_character_tokenizer_round_trips():
 def test_tiny_model_is_cached_small_and_partly_right(tiny_model):
     from transformers import AutoConfig
 
-    report = json.loads((tiny_model / RECIPE_FILE).read_text())
+    report = tiny_model_report(tiny_model)
     assert report["recipe"] == RECIPE
     # the warm start stops on purpose: right sometimes, far from always
     assert 0.3 <= report["greedy_accuracy"] <= 0.9
