@@ -92,7 +92,8 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
         worker.load_adapter(adapter)
     worker.generate(_random_prompts(1, args.prompt_len, vocab, 0), SamplingSettings(n, 1.0, 8, 0, ignore_eos=True))
     bandwidth = copy_bandwidth(device)
-    step_floor_s = weight_bytes(folder, base_format) / bandwidth
+    served_bytes = weight_bytes(folder, base_format)
+    step_floor_s = served_bytes / bandwidth
     rows = []
     for seqs in args.concurrency:
         prompts = _random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs)
@@ -118,7 +119,7 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
          for r in rows],
         log,
     )
-    log(f"[qerl] floor: {weight_bytes(folder, base_format) / 2**30:.2f} GiB of weights / "
+    log(f"[qerl] floor: {served_bytes / 2**30:.2f} GiB of weights / "
         f"{bandwidth / 1e9:,.0f} GB/s measured copy bandwidth = {step_floor_s * 1e3:.2f} ms per decode step")
     result = {"benchmark": "rollout", "args": args.__dict__, "environment": environment_facts(),
               "bandwidth_bytes_per_s": bandwidth, "decode_step_floor_ms": step_floor_s * 1e3, "rows": rows,
