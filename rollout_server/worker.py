@@ -29,6 +29,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet
         self.sigma = 0.0
+        self.in_process = config.in_process
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -105,7 +106,10 @@ class RolloutWorker:
     def load_adapter(self, update: AdapterUpdate) -> float:
         """Swap in `update` from memory; returns the milliseconds it took."""
         started = time.perf_counter()
-        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.payload, update.peft_config))
+        # In-process the array goes straight to the worker; vLLM's multiprocess RPC turns an
+        # array into nested lists, so across processes it travels as bytes.
+        payload = update.payload if self.in_process else update.payload.tobytes()
+        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, payload, update.peft_config))
         self.adapter_version = update.version
         return (time.perf_counter() - started) * 1e3
 

@@ -23,9 +23,10 @@ def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.n
     return np.frombuffer(blob, dtype=np.uint8)
 
 
-def decode_adapter(payload: np.ndarray) -> dict[str, torch.Tensor]:
-    """A uint8 safetensors payload -> tensors viewing one private copy of it."""
-    data = torch.from_numpy(np.array(payload, dtype=np.uint8, copy=True))
+def decode_adapter(payload: np.ndarray | bytes) -> dict[str, torch.Tensor]:
+    """A safetensors payload (uint8 array, or bytes after a process hop) -> tensors viewing one
+    private copy of it."""
+    data = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
     if data.numel() < 8:
         raise ValueError("adapter payload is not in safetensors format (too short)")
     header_len = int.from_bytes(data[:8].numpy().tobytes(), "little")

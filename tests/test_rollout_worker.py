@@ -128,3 +128,22 @@ def test_bad_adapter_is_rejected_and_worker_keeps_serving(worker, learner, promp
         ray.get(worker.load_adapter.remote(broken))
     completions = _generate(worker, prompt_ids)
     assert all(c.adapter_version == good.version for c in completions)
+
+
+def test_multiprocess_engine_takes_adapters_from_memory_and_noise(ray_local, tiny_model, prompt_ids):
+    """The GPU recipe runs the engine core in its own process (rollout.in_process=false): the
+    adapter and the AQN call must cross that process boundary too."""
+    from shared.random_adapter import random_adapter
+
+    actor = ray.remote(RolloutWorker).options(num_cpus=1).remote(
+        1, str(tiny_model), RolloutConfig(in_process=False), 8
+    )
+    try:
+        assert ray.get(actor.load_adapter.remote(random_adapter(tiny_model, 8, version=5))) > 0
+        assert ray.get(actor.loaded_adapters.remote()) == [5]
+        completions = ray.get(actor.generate.remote(prompt_ids, SAMPLING))
+        assert completions and all(c.adapter_version == 5 for c in completions)
+        assert ray.get(actor.set_noise.remote(0.01, 1)) > 0
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
