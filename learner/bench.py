@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.actor import Learner
-from learner.model import load_base, random_base
+from learner.model import benchmark_base
 from shared.bench_utils import environment_facts, print_table, resolve_bench_model, sync_device, write_json
 from shared.config import LearnerConfig, LoraConfig
 from shared.types import TrainSample
@@ -51,7 +51,7 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
     compute = torch.bfloat16 if device == "cuda" else torch.float32
     rows = []
     for base_format in args.formats:
-        base = (random_base if is_random else load_base)(folder, base_format, device, compute)
+        base = benchmark_base(folder, is_random, base_format, device, compute)
         vocab = base.config.vocab_size
         learner = Learner.from_base(base, LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
                                     LearnerConfig(micro_batch_size=max(args.micro_batches), warmup_steps=0))

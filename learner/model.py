@@ -55,6 +55,13 @@ def _keep_exact_nf4_kernels(model) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def benchmark_base(folder: str | Path, random_weights: bool, base_format: str, device: str, compute_dtype):
+    """The base a benchmark measures: random weights for a shape-only folder, else loaded."""
+    if random_weights:
+        return random_base(folder, base_format, device, compute_dtype)
+    return load_base(folder, base_format, device, compute_dtype)
+
+
 def random_base(folder: str | Path, base_format: str, device: str, compute_dtype=torch.bfloat16):
     """A base with random weights from a config-only folder (benchmarks): built in
     `compute_dtype` on `device`, then every linear layer but the head quantized to NF4."""

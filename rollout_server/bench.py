@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from rollout_server.worker import RolloutWorker
+from shared.adapter_payload import decode_adapter
 from shared.bench_utils import (
     copy_bandwidth, environment_facts, percentile, print_table, resolve_bench_model, sync_device, weight_bytes,
     write_json,
 )
-from shared.adapter_payload import decode_adapter
 from shared.config import RolloutConfig
 from shared.random_adapter import random_adapter, write_peft_folder
 from shared.types import SamplingSettings
@@ -86,8 +86,7 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     adapter = random_adapter(folder, args.lora_rank) if args.lora_rank else None
 
     config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16)
-    worker = RolloutWorker(0, str(folder), config,
-                           max(args.lora_rank, 8))
+    worker = RolloutWorker(0, str(folder), config, max(args.lora_rank, 8))
     if adapter is not None:
         worker.load_adapter(adapter)
     worker.generate(_random_prompts(1, args.prompt_len, vocab, 0), SamplingSettings(n, 1.0, 8, 0, ignore_eos=True))
@@ -133,14 +132,11 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
                            log=print) -> dict[int, float]:
     """Hugging Face generate with the same base (in args.peer_format) and the same peft adapter."""
     from peft import set_peft_model_state_dict
-    from learner.model import add_lora, load_base, random_base
+    from learner.model import add_lora, benchmark_base
 
     device = _device()
     compute = torch.bfloat16 if device == "cuda" else torch.float32
-    if is_random:
-        base = random_base(folder, args.peer_format, device, compute)
-    else:
-        base = load_base(folder, args.peer_format, device, compute)
+    base = benchmark_base(folder, is_random, args.peer_format, device, compute)
     model = base
     if adapter is not None:
         model = add_lora(base, args.lora_rank, adapter.peft_config["lora_alpha"], adapter.peft_config["target_modules"])

@@ -14,7 +14,6 @@ from shared.config import RolloutConfig
 from shared.types import AdapterUpdate, Completion, SamplingSettings
 
 
-
 class RolloutPool:
     def __init__(self, model_path: str, config: RolloutConfig, max_lora_rank: int, log=print):
         self.model_path = model_path
