@@ -1,9 +1,10 @@
 """The in-memory adapter format: safetensors bytes held in a numpy uint8 array.
 
 Why numpy: Ray hands numpy arrays to other actors zero-copy from its shared-memory object
-store, and vLLM's multiprocess RPC encodes them as raw buffers, while a Python `bytes` object
-is pickled and copied at every hop (measured: 0.45-2.9 s to put 308 MB of bytes vs 0.14 s as
-an array). The receiver copies once into private memory and views the tensors in place.
+store, while a Python `bytes` object is pickled and copied at every hop (measured: 0.45-2.9 s
+to put 308 MB of bytes vs 0.14 s as an array). The receiver copies once into private memory
+and views the tensors in place. (vLLM's multiprocess RPC turns arrays into nested lists, so
+a worker whose engine core runs in another process sends the bytes instead.)
 """
 
 from __future__ import annotations
