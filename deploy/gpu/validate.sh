@@ -29,8 +29,12 @@ for stage in ${*:-tests rollout sync learner train}; do
           --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 16,64 \
           --peer-format nf4 --json "$out/rollout_7b.json" ;;
     sync)
-      run sync qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
-          --json "$out/sync_7b.json" ;;
+      run sync_7b_1w qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
+          --json "$out/sync_7b_1w.json"
+      run sync_7b_2w qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 2 --repeats 10 \
+          --json "$out/sync_7b_2w.json"
+      run sync_tiny qerl bench sync --model tiny --lora-rank 16 --workers 2 --repeats 10 \
+          --json "$out/sync_tiny.json" ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
