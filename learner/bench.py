@@ -11,7 +11,7 @@ import torch
 
 from learner.actor import Learner
 from learner.model import benchmark_base
-from shared.bench_utils import environment_facts, print_table, resolve_bench_model, sync_device, write_json
+from shared.bench_utils import environment_facts, percentile, print_table, resolve_bench_model, sync_device, write_json
 from shared.config import LearnerConfig, LoraConfig
 from shared.types import TrainSample
 
@@ -45,6 +45,18 @@ def _peak_memory_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
 
 
+def _export_ms(learner: Learner, dtype: torch.dtype, device: str, repeats: int = 5) -> float:
+    """Median time for the learner to turn its LoRA into the rollout payload (engine dtype)."""
+    learner.adapter_dtype = dtype
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        sync_device(device)
+        started = time.perf_counter()
+        learner.export_adapter()
+        times.append((time.perf_counter() - started) * 1e3)
+    return percentile(times[1:], 50)
+
+
 def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
     folder, is_random = resolve_bench_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,11 +82,16 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
             rows.append({"base": base_format, "micro_batch": micro_batch, "tok_per_s": tokens / step_s,
                          "step_ms": step_s * 1e3, "peak_gib": _peak_memory_gib(device)})
             log(f"[qerl]   {base_format} micro-batch {micro_batch}: {tokens / step_s:,.0f} tok/s")
+        export_ms = _export_ms(learner, compute, device)
+        log(f"[qerl]   {base_format} adapter export ({compute}): {export_ms:,.1f} ms")
+        for row in rows:
+            row.setdefault("export_ms", export_ms)
         del learner, base
         if device == "cuda":
             torch.cuda.empty_cache()
-    print_table(["base", "micro-batch", "tok/s", "step ms", "peak GiB"],
-                [[r["base"], r["micro_batch"], r["tok_per_s"], r["step_ms"], r["peak_gib"]] for r in rows], log)
+    print_table(["base", "micro-batch", "tok/s", "step ms", "peak GiB", "adapter export ms"],
+                [[r["base"], r["micro_batch"], r["tok_per_s"], r["step_ms"], r["peak_gib"], r["export_ms"]]
+                 for r in rows], log)
     result = {"benchmark": "learner", "args": args.__dict__, "environment": environment_facts(), "rows": rows}
     write_json(args.json, result, log)
     return result

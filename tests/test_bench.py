@@ -49,7 +49,7 @@ def test_bench_learner_covers_formats_and_micro_batches(tmp_path):
     report = _bench(tmp_path, "learner", "--model", "tiny", "--micro-batches", "1,2", "--prompt-len", "8",
                     "--gen-len", "8", "--lora-rank", "8", "--repeats", "1")
     assert [(r["base"], r["micro_batch"]) for r in report["rows"]] == [("nf4", 1), ("nf4", 2), ("bf16", 1), ("bf16", 2)]
-    assert all(r["tok_per_s"] > 0 and r["step_ms"] > 0 for r in report["rows"])
+    assert all(r["tok_per_s"] > 0 and r["step_ms"] > 0 and r["export_ms"] > 0 for r in report["rows"])
 
 
 def test_unknown_model_is_a_one_line_error():

@@ -1,0 +1,62 @@
+"""The in-memory adapter format: valid safetensors, exact round trips, peft's names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from shared.adapter_payload import decode_adapter, encode_adapter
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 6, generator=generator),
+        "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(6, 4, generator=generator),
+        "odd": torch.randn(3, generator=generator),  # an odd byte count must not misalign the next
+        "base_model.model.layers.1.q_proj.lora_A.weight": torch.randn(4, 6, generator=generator),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_payload_is_a_safetensors_file_and_round_trips(dtype):
+    tensors = _tensors()
+    payload = encode_adapter(tensors, dtype)
+    from_file = load(payload.tobytes())  # what a peft folder written from the payload holds
+    decoded = decode_adapter(payload)
+    for name, tensor in tensors.items():
+        assert torch.equal(from_file[name], tensor.to(dtype))
+        assert torch.equal(decoded[name], tensor.to(dtype))
+    assert decode_adapter(payload.tobytes()).keys() == tensors.keys()  # the bytes route too
+
+
+def test_decoded_tensors_own_their_memory():
+    payload = encode_adapter(_tensors(), torch.float32)
+    decoded = decode_adapter(payload)
+    payload[:] = 0  # the sender's buffer may be reused or freed
+    assert torch.equal(decoded["odd"], _tensors()["odd"])
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x01\x02",
+    b"\xff" * 8 + b"{}",
+    (4).to_bytes(8, "little") + b"nope",
+    (5).to_bytes(8, "little") + b"[1,2]",
+    (57).to_bytes(8, "little") + b'{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}   ',
+])
+def test_garbage_payload_is_rejected_with_a_clear_error(payload):
+    with pytest.raises(ValueError, match="safetensors"):
+        decode_adapter(payload)
+
+
+def test_learner_export_names_match_peft(tiny_model, tmp_path):
+    from peft import get_peft_model_state_dict
+
+    from learner.actor import Learner, lora_state_dict
+    from shared.config import LearnerConfig, LoraConfig
+
+    learner = Learner(str(tiny_model), LoraConfig(rank=4, alpha=8), LearnerConfig(), run_dir=str(tmp_path))
+    ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
+    assert ours.keys() == peft_names.keys() and len(ours) > 0
+    assert all(torch.equal(ours[name], peft_names[name]) for name in ours)
