@@ -32,6 +32,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+ENGINE_CORES = ["in-process", "separate"]
+ENGINE_CORE_HELP = "where vLLM's engine core runs: in the worker's process (rollout.in_process=true) or its own"
+
+
 def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     model_help = "'tiny', a shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b: random weights) or a local model folder"
@@ -49,6 +53,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
                               "peer, whose cost per token grows with length)")
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share; the peer needs the rest")
+    rollout.add_argument("--engine-core", default="in-process", choices=ENGINE_CORES, help=ENGINE_CORE_HELP)
     rollout.add_argument("--json", help="also write the results here")
     sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
     sync.add_argument("--model", default="tiny", help=model_help)
@@ -56,6 +61,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     sync.add_argument("--workers", type=int, default=2)
     sync.add_argument("--repeats", type=int, default=20)
     sync.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    sync.add_argument("--engine-core", default="in-process", choices=ENGINE_CORES, help=ENGINE_CORE_HELP)
     sync.add_argument("--json")
     learner = kinds.add_parser("learner", help="learner step tok/s and peak memory, NF4 vs bf16, by micro-batch")
     learner.add_argument("--model", default="tiny", help=model_help)

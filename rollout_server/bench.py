@@ -44,6 +44,8 @@ class RolloutBenchArgs:
     """Tokens the HF peer generates; None: the same as gen_len (a fair comparison)."""
     peer_format: str = "nf4"
     gpu_memory_utilization: float = 0.6
+    engine_core: str = "in-process"
+    """'in-process' (qerl's default) or 'separate' (vLLM's own engine-core process)."""
     json: str | None = None
 
 
@@ -52,7 +54,7 @@ def _device() -> str:
 
 
 def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: float, max_len: int,
-                    workers: int = 1, eager: bool | None = None) -> RolloutConfig:
+                    engine_core: str, workers: int = 1, eager: bool | None = None) -> RolloutConfig:
     gpu = _device() == "cuda"
     quantization = base_format if base_format in ("fp8", "bitsandbytes") else None
     return RolloutConfig(
@@ -65,6 +67,7 @@ def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: flo
         enforce_eager=(not gpu) if eager is None else eager,
         quantization=quantization,
         load_format="dummy" if folder_is_random else "auto",
+        in_process=engine_core == "in-process",
     )
 
 
@@ -82,10 +85,12 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     n = args.samples_per_prompt
     log(f"[qerl] bench rollout: {args.model} ({'random weights' if is_random else folder}), base {base_format}, "
-        f"LoRA r{args.lora_rank}, prompt {args.prompt_len}, gen {args.gen_len}, n={n}, device {device}")
+        f"LoRA r{args.lora_rank}, prompt {args.prompt_len}, gen {args.gen_len}, n={n}, device {device}, "
+        f"engine core {args.engine_core}")
     adapter = random_adapter(folder, args.lora_rank) if args.lora_rank else None
 
-    config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16)
+    config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16,
+                             args.engine_core)
     worker = RolloutWorker(0, str(folder), config, max(args.lora_rank, 8))
     if adapter is not None:
         worker.load_adapter(adapter)
@@ -173,6 +178,7 @@ class SyncBenchArgs:
     workers: int = 2
     repeats: int = 20
     gpu_memory_utilization: float = 0.8
+    engine_core: str = "in-process"
     json: str | None = None
 
 
@@ -186,7 +192,7 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
     if started_ray:
         ray.init(num_cpus=max(2, args.workers + 1), include_dashboard=False)
     config = _rollout_config(is_random, "bf16" if _device() == "cuda" else "fp32", args.gpu_memory_utilization,
-                             max_len=256, workers=args.workers, eager=True)
+                             max_len=256, engine_core=args.engine_core, workers=args.workers, eager=True)
     # A fixed KV size: engines that profile one GPU at the same time trip vLLM's memory check.
     config = config.model_copy(update={"num_cpus_per_worker": 0.5 if _device() == "cpu" else 1.0,
                                        "kv_cache_memory_bytes": 512 * 2**20 if _device() == "cpu" else 2**30})
@@ -194,7 +200,7 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
     update = random_adapter(folder, args.lora_rank, dtype=torch.bfloat16 if _device() == "cuda" else torch.float32)
     size_mb = update.payload.nbytes / 2**20
     log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB in the engine's dtype), "
-        f"{args.workers} workers")
+        f"{args.workers} workers, engine core {args.engine_core}")
     memory, disk = [], []  # (end-to-end ms, slowest worker's own ms) per repeat
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-sync-") as scratch:

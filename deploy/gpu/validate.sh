@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU validation on one H200 with vLLM 0.26 (see ../shared/gpu/README.md for the install):
 #   bash .gpu/install.sh install && source .gpu/env.sh && bash deploy/gpu/validate.sh [STAGE ...]
-# Stages (default: all, in this order): tests rollout sync learner train.
+# Stages (default: all but engine-core, in this order): tests rollout sync learner train;
+# engine-core compares vLLM's engine core in its own process.
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -35,6 +36,14 @@ for stage in ${*:-tests rollout sync learner train}; do
           --json "$out/sync_7b_2w.json"
       run sync_tiny qerl bench sync --model tiny --lora-rank 16 --workers 2 --repeats 10 \
           --json "$out/sync_tiny.json" ;;
+    engine-core)
+      # not in the default list: the same 7B rollout and sync with vLLM's engine core in its own
+      # process (rollout.in_process=false), to compare with the in-process figures
+      run rollout_7b_separate qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
+          --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 64 --peer-format nf4 \
+          --engine-core separate --json "$out/rollout_7b_separate.json"
+      run sync_7b_separate qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
+          --engine-core separate --json "$out/sync_7b_separate.json" ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
@@ -43,7 +52,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
-    *) echo "unknown stage $stage (tests rollout sync learner train)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests rollout sync learner train engine-core)"; exit 2 ;;
   esac
 done
 exit $status
