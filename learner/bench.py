@@ -67,6 +67,8 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
         vocab = base.config.vocab_size
         learner = Learner.from_base(base, LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
                                     LearnerConfig(micro_batch_size=max(args.micro_batches), warmup_steps=0))
+        export_ms = _export_ms(learner, compute, device)
+        log(f"[qerl]   {base_format} adapter export ({compute}): {export_ms:,.1f} ms")
         for micro_batch in args.micro_batches:
             samples = _random_samples(micro_batch, args.prompt_len, args.gen_len, vocab)
             learner.train_step(samples, 1.0)  # warm-up: allocator, kernels
@@ -80,12 +82,8 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
             step_s = (time.perf_counter() - started) / args.repeats
             tokens = micro_batch * (args.prompt_len + args.gen_len)
             rows.append({"base": base_format, "micro_batch": micro_batch, "tok_per_s": tokens / step_s,
-                         "step_ms": step_s * 1e3, "peak_gib": _peak_memory_gib(device)})
+                         "step_ms": step_s * 1e3, "peak_gib": _peak_memory_gib(device), "export_ms": export_ms})
             log(f"[qerl]   {base_format} micro-batch {micro_batch}: {tokens / step_s:,.0f} tok/s")
-        export_ms = _export_ms(learner, compute, device)
-        log(f"[qerl]   {base_format} adapter export ({compute}): {export_ms:,.1f} ms")
-        for row in rows:
-            row.setdefault("export_ms", export_ms)
         del learner, base
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -54,15 +54,18 @@ def _device() -> str:
 
 
 def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: float, max_len: int,
-                    engine_core: str, workers: int = 1, eager: bool | None = None) -> RolloutConfig:
+                    engine_core: str, workers: int = 1, eager: bool | None = None,
+                    gpu_kv_cache_bytes: int | None = None) -> RolloutConfig:
+    """gpu_kv_cache_bytes: None lets vLLM size the KV cache on a GPU by profiling."""
     gpu = _device() == "cuda"
     quantization = base_format if base_format in ("fp8", "bitsandbytes") else None
     return RolloutConfig(
         num_workers=workers,
         num_gpus_per_worker=1 / workers if gpu else 0,
+        num_cpus_per_worker=1.0 if gpu else 0.5,
         dtype="bfloat16" if gpu else "float32",
         max_model_len=max_len,
-        kv_cache_memory_bytes=None if gpu else 512 * 2**20,
+        kv_cache_memory_bytes=gpu_kv_cache_bytes if gpu else 512 * 2**20,
         gpu_memory_utilization=args_gpu_util / workers,
         enforce_eager=(not gpu) if eager is None else eager,
         quantization=quantization,
@@ -191,13 +194,13 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=max(2, args.workers + 1), include_dashboard=False)
-    config = _rollout_config(is_random, "bf16" if _device() == "cuda" else "fp32", args.gpu_memory_utilization,
-                             max_len=256, engine_core=args.engine_core, workers=args.workers, eager=True)
+    gpu = _device() == "cuda"
     # A fixed KV size: engines that profile one GPU at the same time trip vLLM's memory check.
-    config = config.model_copy(update={"num_cpus_per_worker": 0.5 if _device() == "cpu" else 1.0,
-                                       "kv_cache_memory_bytes": 512 * 2**20 if _device() == "cpu" else 2**30})
+    config = _rollout_config(is_random, "bf16" if gpu else "fp32", args.gpu_memory_utilization, max_len=256,
+                             engine_core=args.engine_core, workers=args.workers, eager=True,
+                             gpu_kv_cache_bytes=2**30)
     pool = RolloutPool(str(folder), config, args.lora_rank, log=log)
-    update = random_adapter(folder, args.lora_rank, dtype=torch.bfloat16 if _device() == "cuda" else torch.float32)
+    update = random_adapter(folder, args.lora_rank, dtype=torch.bfloat16 if gpu else torch.float32)
     size_mb = update.payload.nbytes / 2**20
     log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB in the engine's dtype), "
         f"{args.workers} workers, engine core {args.engine_core}")
