@@ -54,6 +54,9 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share; the peer needs the rest")
     rollout.add_argument("--engine-core", default="in-process", choices=ENGINE_CORES, help=ENGINE_CORE_HELP)
+    rollout.add_argument("--request-seeds", default=True, action=argparse.BooleanOptionalAction,
+                         help="a sampling seed per request, as rollout.request_seeds (vLLM samples seeded "
+                              "sequences one by one)")
     rollout.add_argument("--json", help="also write the results here")
     sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
     sync.add_argument("--model", default="tiny", help=model_help)

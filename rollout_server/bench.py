@@ -46,6 +46,8 @@ class RolloutBenchArgs:
     gpu_memory_utilization: float = 0.6
     engine_core: str = "in-process"
     """'in-process' (qerl's default) or 'separate' (vLLM's own engine-core process)."""
+    request_seeds: bool = True
+    """rollout.request_seeds: a sampling seed per request (costs a kernel per sequence per step)."""
     json: str | None = None
 
 
@@ -55,7 +57,7 @@ def _device() -> str:
 
 def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: float, max_len: int,
                     engine_core: str, workers: int = 1, eager: bool | None = None,
-                    gpu_kv_cache_bytes: int | None = None) -> RolloutConfig:
+                    gpu_kv_cache_bytes: int | None = None, request_seeds: bool = True) -> RolloutConfig:
     """gpu_kv_cache_bytes: None lets vLLM size the KV cache on a GPU by profiling."""
     gpu = _device() == "cuda"
     quantization = base_format if base_format in ("fp8", "bitsandbytes") else None
@@ -71,6 +73,7 @@ def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: flo
         quantization=quantization,
         load_format="dummy" if folder_is_random else "auto",
         in_process=engine_core == "in-process",
+        request_seeds=request_seeds,
     )
 
 
@@ -89,11 +92,11 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     n = args.samples_per_prompt
     log(f"[qerl] bench rollout: {args.model} ({'random weights' if is_random else folder}), base {base_format}, "
         f"LoRA r{args.lora_rank}, prompt {args.prompt_len}, gen {args.gen_len}, n={n}, device {device}, "
-        f"engine core {args.engine_core}")
+        f"engine core {args.engine_core}, request seeds {'on' if args.request_seeds else 'off'}")
     adapter = random_adapter(folder, args.lora_rank) if args.lora_rank else None
 
     config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16,
-                             args.engine_core)
+                             args.engine_core, request_seeds=args.request_seeds)
     worker = RolloutWorker(0, str(folder), config, max(args.lora_rank, 8))
     if adapter is not None:
         worker.load_adapter(adapter)
@@ -205,6 +208,7 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
     log(f"[qerl] bench sync: {args.model}, LoRA r{args.lora_rank} ({size_mb:,.1f} MB in the engine's dtype), "
         f"{args.workers} workers, engine core {args.engine_core}")
     memory, disk = [], []  # (end-to-end ms, slowest worker's own ms) per repeat
+    phases: list[dict[str, float]] = []  # the slowest worker's in-memory load, phase by phase
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-sync-") as scratch:
             for index in range(args.repeats + 1):  # the first of each is a warm-up
@@ -212,6 +216,8 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
                 started = time.perf_counter()
                 worker_ms = pool.update_adapter(ray.put(replace(update, version=version)))
                 memory.append(((time.perf_counter() - started) * 1e3, max(worker_ms)))
+                slowest = pool.workers[worker_ms.index(max(worker_ms))]
+                phases.append(ray.get(slowest.last_load_phases.remote()))
                 started = time.perf_counter()
                 path = write_peft_folder(update, Path(scratch) / f"v{version + 1}")
                 worker_ms = ray.get([w.load_adapter_from_disk.remote(str(path), version + 1) for w in pool.workers])
@@ -230,7 +236,11 @@ def bench_sync(args: SyncBenchArgs, log=print) -> dict:
         "slowest worker's own load time")
     print_table(["route", "p50 ms", "p95 ms", "worker p50 ms"],
                 [[r["route"], r["p50_ms"], r["p95_ms"], r["worker_p50_ms"]] for r in rows], log)
+    phase_p50 = {name: percentile([p[name] for p in phases[1:]], 50) for name in phases[0]}
+    log("[qerl] in-memory load in the slowest worker, p50 ms: "
+        + ", ".join(f"{name} {ms:.1f}" for name, ms in phase_p50.items())
+        + " (copy: payload to the engine's device; build: vLLM LoRAModel; activate: into the serving slots)")
     result = {"benchmark": "sync", "args": args.__dict__, "environment": environment_facts(),
-              "adapter_mb": size_mb, "rows": rows}
+              "adapter_mb": size_mb, "rows": rows, "in_memory_phase_p50_ms": phase_p50}
     write_json(args.json, result, log)
     return result

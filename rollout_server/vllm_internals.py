@@ -18,6 +18,8 @@ the same code runs whether the engine core is in-process or in a separate proces
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -46,6 +48,23 @@ def shutdown_engine(llm) -> None:
         engine_core.shutdown()
 
 
+class _PhaseTimer:
+    """Wall time of consecutive phases; waits for the device at each mark so a phase's
+    queued kernels count in that phase."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.phases_ms: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases_ms[phase] = (now - self._last) * 1e3
+        self._last = now
+
+
 class QerlWorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
 
@@ -54,6 +73,7 @@ class QerlWorkerExtension:
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
+        timer = _PhaseTimer(self.model_runner.device)
         manager = self.model_runner.lora_manager
         helper = PEFTHelper.from_dict(
             {**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings}
@@ -67,9 +87,11 @@ class QerlWorkerExtension:
             if mapper is not None and hasattr(mapper, view):
                 mapper = getattr(mapper, view)()
                 break
+        tensors = decode_adapter(payload, self.model_runner.device)
+        timer.mark("copy")
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,
-            tensors=decode_adapter(payload, self.model_runner.device),
+            tensors=tensors,
             peft_helper=helper,
             device=str(self.model_runner.device),
             dtype=manager.lora_config.lora_dtype,
@@ -78,13 +100,20 @@ class QerlWorkerExtension:
         )
         if not lora.loras:
             raise ValueError("adapter has no LoRA tensors that match the served model")
+        timer.mark("build")
         for loaded_id in list(manager.list_adapters()):
             manager.remove_adapter(loaded_id)
         manager._adapter_manager.add_adapter(lora)
         # Copy it into the serving slots now, so the push is done when this returns and the
         # next rollout step does not pay for it.
         manager._adapter_manager.activate_adapter(adapter_id)
+        timer.mark("activate")
+        self._qerl_load_phases = timer.phases_ms
         return len(lora.loras)
+
+    def qerl_last_load_phases(self) -> dict[str, float]:
+        """Milliseconds of the last in-memory load: copy to the device, LoRAModel build, activation."""
+        return dict(getattr(self, "_qerl_load_phases", {}))
 
     def qerl_list_adapters(self) -> list[int]:
         return sorted(self.model_runner.lora_manager.list_adapters())

@@ -30,6 +30,7 @@ class RolloutWorker:
         self.adapter_version = 0  # 0: the bare base, no adapter yet
         self.sigma = 0.0
         self.in_process = config.in_process
+        self.request_seeds = config.request_seeds
         for key, value in QUIET_ENV.items():
             os.environ.setdefault(key, value)
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -77,7 +78,7 @@ class RolloutWorker:
             temperature=sampling.temperature,
             max_tokens=sampling.max_new_tokens,
             logprobs=0,
-            seed=sampling.seed,
+            seed=sampling.seed if self.request_seeds else None,
             ignore_eos=sampling.ignore_eos,
         )
         lora = None
@@ -112,6 +113,10 @@ class RolloutWorker:
         self.llm.collective_rpc("qerl_add_adapter", args=(update.version, payload, update.peft_config))
         self.adapter_version = update.version
         return (time.perf_counter() - started) * 1e3
+
+    def last_load_phases(self) -> dict[str, float]:
+        """Where the last in-memory load spent its time (ms): copy, build, activate."""
+        return self.llm.collective_rpc("qerl_last_load_phases")[0]
 
     def load_adapter_from_disk(self, folder: str, version: int) -> float:
         """The disk route (a peft folder through vLLM's public add_lora), for comparison."""

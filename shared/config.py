@@ -55,6 +55,10 @@ class RolloutConfig(_Strict):
     None serves the learner's dequantized base, the exact policy."""
     load_format: Literal["auto", "dummy"] = "auto"
     """"dummy": random weights of the right shape (benchmarks only)."""
+    request_seeds: bool = True
+    """Give every request its own sampling seed, so a completion does not depend on what else
+    is in the batch. vLLM then draws each sequence's sampling noise with its own generator,
+    one small kernel per sequence per decode step: turn off for GPU throughput."""
 
 
 class AqnConfig(_Strict):

@@ -27,7 +27,8 @@ def _bench(tmp_path: Path, *args: str) -> dict:
 def test_bench_rollout_measures_vllm_and_the_hf_peer(tmp_path):
     report = _bench(tmp_path, "rollout", "--model", "tiny", "--lora-rank", "16", "--concurrency", "8,32",
                     "--prompt-len", "8", "--gen-len", "16", "--samples-per-prompt", "4",
-                    "--peer-concurrency", "8", "--peer-gen-len", "8")
+                    "--peer-concurrency", "8", "--peer-gen-len", "8", "--no-request-seeds")
+    assert report["args"]["request_seeds"] is False
     rows = {row["seqs"]: row for row in report["rows"]}
     assert set(rows) == {8, 32}
     assert all(row["tok_per_s"] > 0 and row["floor_tok_per_s"] > row["tok_per_s"] for row in rows.values())
@@ -45,6 +46,10 @@ def test_bench_sync_compares_memory_and_disk(tmp_path):
     assert routes == ["in-memory (object store)", "disk (peft folder, add_lora)"]
     assert all(0 < row["worker_p50_ms"] and 0 < row["p50_ms"] <= row["p95_ms"] for row in report["rows"])
     assert report["adapter_mb"] > 0 and report["args"]["engine_core"] == "separate"
+    phases = report["in_memory_phase_p50_ms"]
+    assert list(phases) == ["copy", "build", "activate"] and all(ms > 0 for ms in phases.values())
+    # the phases are parts of the worker's own load time
+    assert sum(phases.values()) <= report["rows"][0]["worker_p50_ms"] * 1.5
 
 
 def test_bench_learner_covers_formats_and_micro_batches(tmp_path):

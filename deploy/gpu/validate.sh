@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU validation on one H200 with vLLM 0.26 (see ../shared/gpu/README.md for the install):
 #   bash .gpu/install.sh install && source .gpu/env.sh && bash deploy/gpu/validate.sh [STAGE ...]
-# Stages (default: all but engine-core, in this order): tests rollout sync learner train;
-# engine-core compares vLLM's engine core in its own process.
+# Stages (default: all but engine-core and levers, in this order): tests rollout sync learner train;
+# engine-core compares vLLM's engine core in its own process; levers compares rollout throughput
+# levers (per-request seeds off, separate engine core, fp8 base).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -44,6 +45,16 @@ for stage in ${*:-tests rollout sync learner train}; do
           --engine-core separate --json "$out/rollout_7b_separate.json"
       run sync_7b_separate qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
           --engine-core separate --json "$out/sync_7b_separate.json" ;;
+    levers)
+      # not in the default list: the 7B rollout under each throughput lever, one engine per run,
+      # all against the same HF peer (measured with the first)
+      lever() { local name=$1; shift; run "rollout_7b_$name" qerl bench rollout --model qwen2.5-7b --lora-rank 32 \
+          --concurrency 16,64,256 --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-format nf4 \
+          --json "$out/rollout_7b_$name.json" "$@"; }
+      lever seeded --peer-concurrency 64
+      lever unseeded --peer-concurrency "" --no-request-seeds
+      lever unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate
+      lever fp8_unseeded --peer-concurrency "" --no-request-seeds --base-format fp8 ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
@@ -52,7 +63,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
-    *) echo "unknown stage $stage (tests rollout sync learner train engine-core)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers)"; exit 2 ;;
   esac
 done
 exit $status
