@@ -38,6 +38,8 @@ class RolloutWorker:
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         if config.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        else:  # a forked engine core cannot use CUDA once this process has touched it
+            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
 
         from rollout_server.vllm_internals import check_vllm_version
