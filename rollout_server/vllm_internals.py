@@ -87,7 +87,7 @@ class QerlWorkerExtension:
             if mapper is not None and hasattr(mapper, view):
                 mapper = getattr(mapper, view)()
                 break
-        tensors = decode_adapter(payload, self.model_runner.device)
+        tensors = decode_adapter(payload, self.model_runner.device, self._qerl_staging(len(memoryview(payload))))
         timer.mark("copy")
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,
@@ -110,6 +110,17 @@ class QerlWorkerExtension:
         timer.mark("activate")
         self._qerl_load_phases = timer.phases_ms
         return len(lora.loras)
+
+    def _qerl_staging(self, nbytes: int) -> torch.Tensor | None:
+        """A pinned host buffer for adapter uploads to a GPU, kept for the next push (grown when
+        an adapter outgrows it); None on CPU."""
+        if torch.device(self.model_runner.device).type != "cuda":
+            return None
+        staging = getattr(self, "_qerl_pinned_staging", None)
+        if staging is None or staging.numel() < nbytes:
+            staging = self._qerl_pinned_staging = None  # free the old one first
+            staging = self._qerl_pinned_staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return staging
 
     def qerl_last_load_phases(self) -> dict[str, float]:
         """Milliseconds of the last in-memory load: copy to the device, LoRAModel build, activation."""

@@ -43,7 +43,8 @@ def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.n
     return out
 
 
-def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cpu",
+                   staging: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A safetensors payload (uint8 array, or bytes after a process hop) -> tensors on `device`.
 
     The payload is copied exactly once: into private CPU memory (the object store's buffer
@@ -62,12 +63,20 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
         raise ValueError("adapter payload is not in safetensors format (bad header)") from None
     if not isinstance(header, dict):
         raise ValueError("adapter payload is not in safetensors format (bad header)")
+    with warnings.catch_warnings():  # read-only source: torch only reads it for the copy
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(raw)
     if torch.device(device).type == "cpu":
-        data = torch.from_numpy(raw.copy())
+        data = source.clone()
+    elif staging is not None:
+        # pinned staging: a host memcpy plus a full-speed DMA beat one pageable transfer
+        # (H200, 154 MB: 7 ms vs 20 ms)
+        host = staging[: raw.size]
+        host.copy_(source)
+        data = host.to(device, non_blocking=True)
+        torch.cuda.current_stream(device).synchronize()  # the next push refills `staging`
     else:
-        with warnings.catch_warnings():  # read-only source: torch only reads it for the copy
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.from_numpy(raw).to(device)
+        data = source.to(device)
     base = 8 + header_len
     tensors = {}
     for name, info in header.items():

@@ -9,8 +9,8 @@ from safetensors.torch import load
 from shared.adapter_payload import decode_adapter, encode_adapter
 
 
-def _tensors() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
     return {
         "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 6, generator=generator),
         "base_model.model.layers.0.q_proj.lora_B.weight": torch.randn(6, 4, generator=generator),
@@ -60,3 +60,14 @@ def test_learner_export_names_match_peft(tiny_model, tmp_path):
     ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
     assert ours.keys() == peft_names.keys() and len(ours) > 0
     assert all(torch.equal(ours[name], peft_names[name]) for name in ours)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_staging_upload_is_exact_and_the_buffer_can_be_reused():
+    staging = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    for seed in (0, 1):  # the second upload overwrites the staging buffer of the first
+        tensors = _tensors(seed)
+        decoded = decode_adapter(encode_adapter(tensors, torch.bfloat16), "cuda", staging)
+        assert {k: v.device.type for k, v in decoded.items()} == {k: "cuda" for k in tensors}
+        assert all(torch.equal(decoded[k].cpu(), v.to(torch.bfloat16)) for k, v in tensors.items())
