@@ -23,8 +23,9 @@ _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.ndarray:
     """Tensors -> safetensors bytes in `dtype` (the engine's LoRA dtype), as a uint8 array.
 
-    Each tensor is converted and copied (off the GPU, where it lives there) straight into its
-    slice of the one output buffer: no intermediate CPU copies of a 150 MB adapter."""
+    Each tensor is converted and copied straight into its slice of one buffer: the output on
+    the CPU, a device buffer that then comes over in one copy on a GPU; no intermediate CPU
+    copies of a 150 MB adapter."""
     header, offset = {}, 0
     for name, tensor in tensors.items():
         size = tensor.numel() * dtype.itemsize
@@ -37,10 +38,23 @@ def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.n
     out[:8] = np.frombuffer(len(header_bytes).to_bytes(8, "little"), dtype=np.uint8)
     out[8:start] = np.frombuffer(header_bytes, dtype=np.uint8)
     data = torch.from_numpy(out[start:])
+    devices = {tensor.device for tensor in tensors.values()}
+    if devices <= {torch.device("cpu")}:
+        _pack(tensors, header, data, dtype)
+    else:
+        # Pack on the GPU, then one device-to-host copy: a copy per tensor waits for the device
+        # each time (H200, 7B r32, 392 tensors: 113 ms per export).
+        staged = torch.empty(offset, dtype=torch.uint8, device=next(iter(devices - {torch.device("cpu")})))
+        _pack(tensors, header, staged, dtype)
+        data.copy_(staged)
+    return out
+
+
+def _pack(tensors: dict[str, torch.Tensor], header: dict, data: torch.Tensor, dtype: torch.dtype) -> None:
+    """Each tensor, converted to `dtype`, into its slice of the uint8 buffer `data`."""
     for name, tensor in tensors.items():
         first, last = header[name]["data_offsets"]
         data[first:last].view(dtype).copy_(tensor.detach().reshape(-1))
-    return out
 
 
 def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cpu",

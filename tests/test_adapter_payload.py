@@ -71,3 +71,11 @@ def test_pinned_staging_upload_is_exact_and_the_buffer_can_be_reused():
         decoded = decode_adapter(encode_adapter(tensors, torch.bfloat16), "cuda", staging)
         assert {k: v.device.type for k, v in decoded.items()} == {k: "cuda" for k in tensors}
         assert all(torch.equal(decoded[k].cpu(), v.to(torch.bfloat16)) for k, v in tensors.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_encoding_gpu_tensors_gives_the_same_bytes_as_cpu_tensors():
+    tensors = _tensors()
+    on_gpu = encode_adapter({k: v.cuda() for k, v in tensors.items()}, torch.bfloat16)
+    assert on_gpu.tobytes() == encode_adapter(tensors, torch.bfloat16).tobytes()
