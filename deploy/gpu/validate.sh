@@ -54,7 +54,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       lever seeded --peer-concurrency 64
       lever unseeded --peer-concurrency "" --no-request-seeds
       lever unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate
-      lever fp8_unseeded --peer-concurrency "" --no-request-seeds --base-format fp8 ;;
+      lever fp8_unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8 ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
