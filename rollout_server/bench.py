@@ -47,7 +47,7 @@ class RolloutBenchArgs:
     engine_core: str = "in-process"
     """'in-process' (qerl's default) or 'separate' (vLLM's own engine-core process)."""
     request_seeds: bool = True
-    """rollout.request_seeds: a sampling seed per request (costs a kernel per sequence per step)."""
+    """rollout.request_seeds: a sampling seed per request."""
     json: str | None = None
 
 

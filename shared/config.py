@@ -57,8 +57,8 @@ class RolloutConfig(_Strict):
     """"dummy": random weights of the right shape (benchmarks only)."""
     request_seeds: bool = True
     """Give every request its own sampling seed, so a completion does not depend on what else
-    is in the batch. vLLM then draws each sequence's sampling noise with its own generator,
-    one small kernel per sequence per decode step: turn off for GPU throughput."""
+    is in the batch. vLLM then draws each sequence's noise with its own generator, one small
+    kernel per sequence per step; on the H200 that cost nothing measurable (BENCHMARKS.md)."""
 
 
 class AqnConfig(_Strict):
