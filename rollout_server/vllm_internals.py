@@ -118,7 +118,6 @@ class QerlWorkerExtension:
             return None
         staging = getattr(self, "_qerl_pinned_staging", None)
         if staging is None or staging.numel() < nbytes:
-            staging = self._qerl_pinned_staging = None  # free the old one first
             staging = self._qerl_pinned_staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return staging
 
