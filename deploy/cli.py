@@ -12,8 +12,15 @@ import sys
 from shared.errors import QerlError
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad arguments: one line naming the problem (argparse would print the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qerl", description="RL fine-tuning of LLMs on 4-bit bases (QeRL).")
+    parser = _OneLineErrors(prog="qerl", description="RL fine-tuning of LLMs on 4-bit bases (QeRL).")
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="run GRPO training with vLLM rollout workers on Ray")
     train.add_argument("--config", required=True, help="YAML run config (see configs/)")
@@ -32,6 +39,21 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _at_least(minimum: int):
+    """argparse type: an integer >= minimum (bad counts fail before any engine starts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 ENGINE_CORES = ["in-process", "separate"]
 ENGINE_CORE_HELP = "where vLLM's engine core runs: in the worker's process (rollout.in_process=true) or its own"
 
@@ -41,14 +63,14 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     model_help = "'tiny', a shape (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b: random weights) or a local model folder"
     rollout = kinds.add_parser("rollout", help="vLLM rollout tok/s vs Hugging Face generate, by concurrency")
     rollout.add_argument("--model", default="tiny", help=model_help)
-    rollout.add_argument("--lora-rank", type=int, default=32, help="0: no adapter")
+    rollout.add_argument("--lora-rank", type=_at_least(0), default=32, help="0: no adapter")
     rollout.add_argument("--base-format", default="auto", choices=["auto", "fp32", "bf16", "fp8", "bitsandbytes"])
     rollout.add_argument("--concurrency", type=_ints, default=(16, 64, 256), help="sequences in flight, e.g. 16,64,256")
-    rollout.add_argument("--prompt-len", type=int, default=256)
-    rollout.add_argument("--gen-len", type=int, default=512)
-    rollout.add_argument("--samples-per-prompt", type=int, default=8)
+    rollout.add_argument("--prompt-len", type=_at_least(1), default=256)
+    rollout.add_argument("--gen-len", type=_at_least(1), default=512)
+    rollout.add_argument("--samples-per-prompt", type=_at_least(1), default=8)
     rollout.add_argument("--peer-concurrency", type=_ints, default=(16, 64), help="'' skips the HF peer")
-    rollout.add_argument("--peer-gen-len", type=int, default=None,
+    rollout.add_argument("--peer-gen-len", type=_at_least(1), default=None,
                          help="tokens the peer generates (default: --gen-len; fewer is quicker but flatters the "
                               "peer, whose cost per token grows with length)")
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
@@ -60,9 +82,9 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--json", help="also write the results here")
     sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
     sync.add_argument("--model", default="tiny", help=model_help)
-    sync.add_argument("--lora-rank", type=int, default=16)
-    sync.add_argument("--workers", type=int, default=2)
-    sync.add_argument("--repeats", type=int, default=20)
+    sync.add_argument("--lora-rank", type=_at_least(1), default=16)
+    sync.add_argument("--workers", type=_at_least(1), default=2)
+    sync.add_argument("--repeats", type=_at_least(1), default=20)
     sync.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     sync.add_argument("--engine-core", default="in-process", choices=ENGINE_CORES, help=ENGINE_CORE_HELP)
     sync.add_argument("--json")
@@ -70,10 +92,10 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     learner.add_argument("--model", default="tiny", help=model_help)
     learner.add_argument("--formats", default="nf4,bf16", type=lambda t: tuple(t.split(",")))
     learner.add_argument("--micro-batches", type=_ints, default=(1, 4, 16))
-    learner.add_argument("--prompt-len", type=int, default=256)
-    learner.add_argument("--gen-len", type=int, default=512)
-    learner.add_argument("--lora-rank", type=int, default=32)
-    learner.add_argument("--repeats", type=int, default=2)
+    learner.add_argument("--prompt-len", type=_at_least(1), default=256)
+    learner.add_argument("--gen-len", type=_at_least(1), default=512)
+    learner.add_argument("--lora-rank", type=_at_least(1), default=32)
+    learner.add_argument("--repeats", type=_at_least(1), default=2)
     learner.add_argument("--json")
 
 

@@ -63,3 +63,15 @@ def test_existing_run_is_not_overwritten(tmp_path):
 def test_help(args):
     result = _qerl(*args)
     assert result.returncode == 0 and "usage: qerl" in result.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["bench", "sync", "--repeats", "0"], "qerl bench sync: error: argument --repeats: expected an integer >= 1, got 0"),
+    (["bench", "rollout", "--concurrency", "16,x"], "qerl bench rollout: error: argument --concurrency: expected"),
+    (["train"], "qerl train: error: the following arguments are required: --config"),
+])
+def test_bad_arguments_are_one_line_errors(args, expected):
+    result = _qerl(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
