@@ -82,6 +82,7 @@ class RolloutWorker:
             logprobs=0,
             seed=sampling.seed if self.request_seeds else None,
             ignore_eos=sampling.ignore_eos,
+            detokenize=False,  # the driver decodes what it scores; vLLM would do it per step, in the loop
         )
         lora = None
         if self.adapter_version > 0:
