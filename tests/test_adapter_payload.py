@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load
@@ -79,3 +82,16 @@ def test_encoding_gpu_tensors_gives_the_same_bytes_as_cpu_tensors():
     tensors = _tensors()
     on_gpu = encode_adapter({k: v.cuda() for k, v in tensors.items()}, torch.bfloat16)
     assert on_gpu.tobytes() == encode_adapter(tensors, torch.bfloat16).tobytes()
+
+
+def test_shared_memory_file_holds_the_payload_and_is_removed_even_on_error():
+    from rollout_server.worker import shared_memory_file
+
+    payload = encode_adapter(_tensors(), torch.float32)
+    with pytest.raises(RuntimeError):
+        with shared_memory_file(payload, "qerl-test-") as path:
+            with open(path, "rb") as file:
+                assert file.read() == payload.tobytes()
+            assert decode_adapter(np.fromfile(path, dtype=np.uint8)).keys() == _tensors().keys()
+            raise RuntimeError("the engine refused the adapter")
+    assert not os.path.exists(path)
