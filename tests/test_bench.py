@@ -39,7 +39,7 @@ def test_bench_rollout_measures_vllm_and_the_hf_peer(tmp_path):
 
 
 def test_bench_sync_compares_memory_and_disk(tmp_path):
-    # engine cores in their own processes: the in-memory route crosses vLLM's RPC as bytes
+    # engine cores in their own processes: the in-memory route crosses as a shared-memory file
     report = _bench(tmp_path, "sync", "--model", "tiny", "--lora-rank", "16", "--workers", "2", "--repeats", "3",
                     "--engine-core", "separate")
     routes = [row["route"] for row in report["rows"]]
