@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
 from shared.types import AdapterUpdate, Completion, SamplingSettings
 
@@ -161,9 +162,9 @@ def shared_memory_file(payload: np.ndarray, prefix: str) -> Iterator[str]:
     """`payload` in a file on /dev/shm (RAM; the temp dir where there is none), removed on exit."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else None
     handle, path = tempfile.mkstemp(prefix=prefix, suffix=".safetensors", dir=folder)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(memoryview(payload))
+        write_payload(payload, path)
         yield path
     finally:
         os.unlink(path)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,6 +107,6 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
     return tensors
 
 
-def payload_bytes(payload: np.ndarray) -> bytes:
-    """The payload as a safetensors file's bytes (for writing a peft folder)."""
-    return payload.tobytes()
+def write_payload(payload: np.ndarray, path: str | Path) -> None:
+    """The payload as a safetensors file, written from its buffer (no copy of it first)."""
+    Path(path).write_bytes(memoryview(payload))

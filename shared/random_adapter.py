@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shared.adapter_payload import encode_adapter, payload_bytes
+from shared.adapter_payload import encode_adapter, write_payload
 from shared.types import AdapterUpdate
 
 
@@ -47,6 +47,6 @@ def write_peft_folder(update: AdapterUpdate, folder: str | Path) -> Path:
     """The same adapter as a standard peft folder (adapter_model.safetensors + adapter_config.json)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "adapter_model.safetensors").write_bytes(payload_bytes(update.payload))
+    write_payload(update.payload, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps(update.peft_config))
     return folder
