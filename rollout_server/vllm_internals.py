@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shared.adapter_payload import decode_adapter
+from shared.bench_utils import sync_device
 
 SUPPORTED_VLLM_LINES = ("0.26.", "0.32.")
 IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; never read
@@ -53,14 +54,13 @@ class _PhaseTimer:
     """Wall time of consecutive phases; waits for the device at each mark so a phase's
     queued kernels count in that phase."""
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+    def __init__(self, device: torch.device | str):
+        self.device = str(device)
         self.phases_ms: dict[str, float] = {}
         self._last = time.perf_counter()
 
     def mark(self, phase: str) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync_device(self.device)
         now = time.perf_counter()
         self.phases_ms[phase] = (now - self._last) * 1e3
         self._last = now

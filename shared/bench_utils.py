@@ -57,7 +57,7 @@ def copy_bandwidth(device: str, megabytes: int = 1024, repeats: int = 10) -> flo
 def sync_device(device: str) -> None:
     """Wait for queued GPU work, so that wall-clock timings cover it."""
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def percentile(values: list[float], q: float) -> float:
