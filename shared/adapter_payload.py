@@ -60,7 +60,7 @@ def _pack(tensors: dict[str, torch.Tensor], header: dict, data: torch.Tensor, dt
 
 def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cpu",
                    staging: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """A safetensors payload (uint8 array, or bytes after a process hop) -> tensors on `device`.
+    """A safetensors payload (uint8 array or bytes) -> tensors on `device`.
 
     The payload is copied exactly once: into private CPU memory (the object store's buffer
     must not stay pinned by a cached adapter), or in one host-to-device transfer straight
