@@ -1,7 +1,7 @@
 """The `qerl` command.
 
     qerl train --config configs/tiny_cpu.yaml [section.key=value ...]
-    qerl bench rollout|sync|learner [--model tiny|qwen2.5-7b|/path] [options]
+    qerl bench rollout|sync|learner|lora-kernels [--model tiny|qwen2.5-7b|/path] [options]
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def _at_least(minimum: int):
     return parse
 
 
+def _folder(text: str) -> str:
+    from pathlib import Path
+
+    if not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder: {text}")
+    return str(Path(text).expanduser().resolve())
+
+
 ENGINE_CORES = ["in-process", "separate"]
 ENGINE_CORE_HELP = "where vLLM's engine core runs: in the worker's process (rollout.in_process=true) or its own"
 
@@ -79,6 +87,9 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--request-seeds", default=True, action=argparse.BooleanOptionalAction,
                          help="a sampling seed per request, as rollout.request_seeds (vLLM samples seeded "
                               "sequences one by one)")
+    rollout.add_argument("--lora-kernel-configs", type=_folder, default=None,
+                         help="tuned LoRA kernel configs, as rollout.lora_kernel_configs (qerl bench lora-kernels)")
+    rollout.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="as rollout.kv_cache_dtype")
     rollout.add_argument("--json", help="also write the results here")
     sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
     sync.add_argument("--model", default="tiny", help=model_help)
@@ -97,6 +108,14 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     learner.add_argument("--lora-rank", type=_at_least(1), default=32)
     learner.add_argument("--repeats", type=_at_least(1), default=2)
     learner.add_argument("--json")
+    kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
+    kernels.add_argument("--model", default="qwen2.5-7b", help=model_help)
+    kernels.add_argument("--lora-rank", type=_at_least(1), default=32)
+    kernels.add_argument("--tokens", type=_ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
+                         help="tokens per kernel call: decode batch sizes and prefill chunks")
+    kernels.add_argument("--out", default="configs/lora-kernels",
+                         help="folder for the config files (merged with those already there)")
+    kernels.add_argument("--json")
 
 
 def _run_bench(args: argparse.Namespace) -> None:
@@ -109,6 +128,10 @@ def _run_bench(args: argparse.Namespace) -> None:
         from rollout_server.bench import SyncBenchArgs, bench_sync
 
         bench_sync(SyncBenchArgs(**fields))
+    elif args.bench == "lora-kernels":
+        from rollout_server.lora_kernels import LoraKernelBenchArgs, bench_lora_kernels
+
+        bench_lora_kernels(LoraKernelBenchArgs(**fields))
     else:
         from learner.bench import LearnerBenchArgs, bench_learner
 

@@ -48,6 +48,10 @@ class RolloutBenchArgs:
     """'in-process' (qerl's default) or 'separate' (vLLM's own engine-core process)."""
     request_seeds: bool = True
     """rollout.request_seeds: a sampling seed per request."""
+    lora_kernel_configs: str | None = None
+    """rollout.lora_kernel_configs: tuned LoRA kernel configs (`qerl bench lora-kernels`)."""
+    kv_cache_dtype: str = "auto"
+    """rollout.kv_cache_dtype."""
     json: str | None = None
 
 
@@ -57,7 +61,8 @@ def _device() -> str:
 
 def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: float, max_len: int,
                     engine_core: str, workers: int = 1, eager: bool | None = None,
-                    gpu_kv_cache_bytes: int | None = None, request_seeds: bool = True) -> RolloutConfig:
+                    gpu_kv_cache_bytes: int | None = None, request_seeds: bool = True,
+                    lora_kernel_configs: str | None = None, kv_cache_dtype: str = "auto") -> RolloutConfig:
     """gpu_kv_cache_bytes: None lets vLLM size the KV cache on a GPU by profiling."""
     gpu = _device() == "cuda"
     quantization = base_format if base_format in ("fp8", "bitsandbytes") else None
@@ -74,6 +79,8 @@ def _rollout_config(folder_is_random: bool, base_format: str, args_gpu_util: flo
         load_format="dummy" if folder_is_random else "auto",
         in_process=engine_core == "in-process",
         request_seeds=request_seeds,
+        lora_kernel_configs=lora_kernel_configs,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -92,11 +99,13 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     n = args.samples_per_prompt
     log(f"[qerl] bench rollout: {args.model} ({'random weights' if is_random else folder}), base {base_format}, "
         f"LoRA r{args.lora_rank}, prompt {args.prompt_len}, gen {args.gen_len}, n={n}, device {device}, "
-        f"engine core {args.engine_core}, request seeds {'on' if args.request_seeds else 'off'}")
+        f"engine core {args.engine_core}, request seeds {'on' if args.request_seeds else 'off'}, "
+        f"LoRA kernels {args.lora_kernel_configs or 'vLLM defaults'}, KV cache {args.kv_cache_dtype}")
     adapter = random_adapter(folder, args.lora_rank) if args.lora_rank else None
 
     config = _rollout_config(is_random, base_format, args.gpu_memory_utilization, args.prompt_len + args.gen_len + 16,
-                             args.engine_core, request_seeds=args.request_seeds)
+                             args.engine_core, request_seeds=args.request_seeds,
+                             lora_kernel_configs=args.lora_kernel_configs, kv_cache_dtype=args.kv_cache_dtype)
     worker = RolloutWorker(0, str(folder), config, max(args.lora_rank, 8))
     if adapter is not None:
         worker.load_adapter(adapter)

@@ -41,6 +41,8 @@ class RolloutWorker:
         warnings.filterwarnings("ignore", category=FutureWarning)
         os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="qerl-vllm-rpc-"))
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        if config.lora_kernel_configs:  # read by vLLM's LoRA ops at their first launch
+            os.environ["VLLM_TUNED_CONFIG_FOLDER"] = config.lora_kernel_configs
         if config.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:  # a forked engine core cannot use CUDA once this process has touched it
@@ -59,6 +61,7 @@ class RolloutWorker:
             max_lora_rank=_vllm_rank(max_lora_rank),
             max_loras=1,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            kv_cache_dtype=config.kv_cache_dtype,
             gpu_memory_utilization=config.gpu_memory_utilization,
             enforce_eager=config.enforce_eager,
             logprobs_mode="processed_logprobs",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import QerlError
 
@@ -59,6 +59,22 @@ class RolloutConfig(_Strict):
     """Give every request its own sampling seed, so a completion does not depend on what else
     is in the batch. vLLM then draws each sequence's noise with its own generator, one small
     kernel per sequence per step; on the H200 that cost nothing measurable (BENCHMARKS.md)."""
+    lora_kernel_configs: str | None = None
+    """Folder of tuned launch configs for vLLM's LoRA kernels (VLLM_TUNED_CONFIG_FOLDER), as
+    `qerl bench lora-kernels` writes them; configs/lora-kernels holds the H200's for the Qwen2.5
+    shapes. None: vLLM's generic defaults. Must exist on every rollout node, like model.path."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """"fp8" halves the KV cache's bytes (GPU only); "auto" keeps the model dtype."""
+
+    @field_validator("lora_kernel_configs")
+    @classmethod
+    def _existing_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        folder = Path(value).expanduser()
+        if not folder.is_dir():
+            raise ValueError(f"no such folder: {value}")
+        return str(folder.resolve())
 
 
 class AqnConfig(_Strict):

@@ -32,6 +32,8 @@ def test_overrides_apply_with_yaml_types():
         ("rollout.num_workers=0", "rollout.num_workers: Input should be greater than or equal to 1"),
         ("task.name=jsonl", "task.path is required"),
         ("steps", "not of the form section.key=value"),
+        ("rollout.lora_kernel_configs=/no/such/qerl-folder", "rollout.lora_kernel_configs: Value error, no such folder"),
+        ("rollout.kv_cache_dtype=int4", "rollout.kv_cache_dtype: Input should be 'auto' or 'fp8'"),
     ],
 )
 def test_bad_config_is_one_line_error(override, message):
@@ -48,3 +50,10 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(QerlError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_lora_kernel_configs_folder_is_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "kernels").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = load_config(None, ["rollout.lora_kernel_configs=kernels"])
+    assert config.rollout.lora_kernel_configs == str(tmp_path / "kernels")

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # GPU validation on one H200 with vLLM 0.26 (see ../shared/gpu/README.md for the install):
 #   bash .gpu/install.sh install && source .gpu/env.sh && bash deploy/gpu/validate.sh [STAGE ...]
-# Stages (default: all but engine-core and levers, in this order): tests rollout sync learner train;
-# engine-core compares vLLM's engine core in its own process; levers compares rollout throughput
-# levers (per-request seeds off, separate engine core, fp8 base).
+# Stages (default, in this order): tests rollout sync learner train. Opt-in: engine-core compares
+# vLLM's engine core in its own process; levers compares rollout throughput levers (per-request
+# seeds off, separate engine core, fp8 base); lora-tune tunes vLLM's LoRA kernels for the 7B shape
+# (files in $out/lora-kernels; configs/lora-kernels holds the committed ones); lora-kernels
+# compares the 7B rollout with vLLM's default LoRA kernels and configs/lora-kernels, bf16;
+# lora-kernels-fp8 the same on the fp8 base with a separate engine core, and adds an fp8 KV cache.
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -12,12 +15,19 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export QERL_CACHE_DIR="${QERL_CACHE_DIR:-/tmp/qerl-cache}"
 qerl() { python3 -m deploy.cli "$@"; }
 status=0
+kernels="${QERL_LORA_KERNELS:-configs/lora-kernels}"
 run() {  # run NAME COMMAND...: log to $out/NAME.log, remember a failure, go on
   local name=$1; shift
   echo "=== $name: $*"
   local started=$SECONDS
   "$@" > >(tee "$out/$name.log") 2>&1 || { echo "=== $name FAILED"; status=1; }
   echo "=== $name took $((SECONDS - started)) s"
+}
+lever() {  # lever NAME ARGS...: the 7B rollout bench with extra arguments
+  local name=$1; shift
+  run "rollout_7b_$name" qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
+      --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-format nf4 \
+      --json "$out/rollout_7b_$name.json" "$@"
 }
 for stage in ${*:-tests rollout sync learner train}; do
   case $stage in
@@ -48,13 +58,21 @@ for stage in ${*:-tests rollout sync learner train}; do
     levers)
       # not in the default list: the 7B rollout under each throughput lever, one engine per run,
       # all against the same HF peer (measured with the first)
-      lever() { local name=$1; shift; run "rollout_7b_$name" qerl bench rollout --model qwen2.5-7b --lora-rank 32 \
-          --concurrency 16,64,256 --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-format nf4 \
-          --json "$out/rollout_7b_$name.json" "$@"; }
       lever seeded --peer-concurrency 64
       lever unseeded --peer-concurrency "" --no-request-seeds
       lever unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate
       lever fp8_unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8 ;;
+    lora-tune)
+      run lora_tune qerl bench lora-kernels --model qwen2.5-7b --lora-rank 32 --out "$out/lora-kernels" \
+          --json "$out/lora_kernels_7b.json" ;;
+    lora-kernels)
+      lever default --peer-concurrency 64
+      lever tuned --peer-concurrency "" --lora-kernel-configs "$kernels" ;;
+    lora-kernels-fp8)
+      fp8=(--peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8)
+      lever fp8_separate "${fp8[@]}"
+      lever fp8_separate_tuned "${fp8[@]}" --lora-kernel-configs "$kernels"
+      lever fp8_separate_tuned_fp8kv "${fp8[@]}" --lora-kernel-configs "$kernels" --kv-cache-dtype fp8 ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
@@ -63,7 +81,8 @@ for stage in ${*:-tests rollout sync learner train}; do
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
-    *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers)"; exit 2 ;;
+    *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
+            "lora-kernels-fp8)"; exit 2 ;;
   esac
 done
 exit $status

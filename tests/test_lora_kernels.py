@@ -1,0 +1,72 @@
+"""`qerl bench lora-kernels`: the config files vLLM reads, and (on a GPU) a real tuning run
+whose files vLLM's own loader reads back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout_server import lora_kernels
+from rollout_server.lora_kernels import LoraKernelBenchArgs, _merged, bench_lora_kernels, config_files
+
+ROOT = Path(__file__).parents[1]
+SHRINK_KEY = {"op_type": "shrink", "max_loras": 2, "batch": 64, "hidden_size": 3584, "rank": 32, "num_slices": 3}
+EXPAND_KEY = {"op_type": "expand", "max_loras": 2, "batch": 64, "hidden_size": 18944, "rank": 32, "num_slices": 2,
+              "add_inputs": True}
+
+
+def test_config_files_use_vllms_layout():
+    files = config_files([{"key": SHRINK_KEY, "best": {"block_m": 16}},
+                          {"key": EXPAND_KEY, "best": {"block_n": 256}}], "NVIDIA_H200")
+    # [max_loras][num_slices][m][k][n]: shrink's k is the layer's input, expand's the rank
+    assert files == {
+        "NVIDIA_H200_SHRINK.json": {"2": {"3": {"64": {"3584": {"32": {"block_m": 16}}}}}},
+        "NVIDIA_H200_EXPAND_TRUE.json": {"2": {"2": {"64": {"32": {"18944": {"block_n": 256}}}}}},
+    }
+
+
+def test_new_entries_merge_into_existing_files():
+    old = {"2": {"1": {"16": {"896": {"32": {"block_m": 32}}}}}}
+    new = {"2": {"1": {"64": {"896": {"32": {"block_m": 64}}}, "16": {"896": {"32": {"block_m": 16}}}}}}
+    assert _merged(old, new) == {"2": {"1": {"16": {"896": {"32": {"block_m": 16}}},
+                                             "64": {"896": {"32": {"block_m": 64}}}}}}
+
+
+def test_without_a_gpu_it_is_a_one_line_error():
+    pytest.importorskip("vllm")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "lora-kernels", "--model", "tiny"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "qerl: error: qerl bench lora-kernels tunes vLLM's CUDA kernels: it needs a CUDA GPU"
+
+
+@pytest.mark.gpu
+def test_tuning_writes_files_vllm_reads_back(tmp_path, monkeypatch):
+    from rollout_server.vllm_internals import tuned_lora_config
+
+    # two candidates each keep the compile time short; the search itself is what is under test
+    monkeypatch.setattr(lora_kernels, "SHRINK_GRID", lora_kernels.SHRINK_GRID[:2])
+    monkeypatch.setattr(lora_kernels, "EXPAND_GRID", lora_kernels.EXPAND_GRID[:2])
+    out = tmp_path / "kernels"
+    out.mkdir()
+    (out / "unrelated.txt").write_text("kept")
+    report = bench_lora_kernels(LoraKernelBenchArgs(model="tiny", lora_rank=8, tokens=(16, 64), out=str(out)))
+    assert (out / "unrelated.txt").read_text() == "kept"
+    names = sorted(p.name for p in out.glob("*.json"))
+    assert len(names) == 2 and names[0].endswith("_EXPAND_TRUE.json") and names[1].endswith("_SHRINK.json")
+    assert not list(out.glob(".qerl-lora-kernels-*")), "scratch folder left behind"
+    for kernel in report["kernels"]:
+        assert kernel["best_us"] <= kernel["default_us"]
+        found = tuned_lora_config(str(out), kernel["key"])
+        assert all(found[name] == value for name, value in kernel["best"].items())
+    for tokens, step in report["per_step_us"].items():
+        assert 0 < step["tuned_us"] <= step["default_us"], tokens
+    json.loads((out / names[1]).read_text())  # valid JSON for the next run to merge into
