@@ -11,7 +11,9 @@ another process hands the payload over as a shared-memory file.)
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,25 @@ import torch
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_COPY_CHUNK = 8 * 2**20
+COPY_THREADS = min(8, os.cpu_count() or 1)
+
+
+def copy_in_parallel(target: np.ndarray, source: np.ndarray, threads: int = COPY_THREADS) -> None:
+    """target[:] = source, in 8 MB chunks on several threads (numpy drops the GIL to copy).
+
+    A Ray actor's torch runs on its CPU share (one thread), and a freshly put object's pages
+    fault in as they are first read: one thread staged a 154 MB adapter in ~40 ms on the H200
+    host. Two threads on the 2-core dev machine: fresh 154 MB objects 21 -> 13.5 ms."""
+    if threads <= 1 or source.size <= _COPY_CHUNK:
+        np.copyto(target, source)
+        return
+
+    def copy_chunk(start: int) -> None:
+        np.copyto(target[start : start + _COPY_CHUNK], source[start : start + _COPY_CHUNK])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(copy_chunk, range(0, source.size, _COPY_CHUNK)))
 
 
 def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.ndarray:
@@ -79,20 +100,20 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
         raise ValueError("adapter payload is not in safetensors format (bad header)") from None
     if not isinstance(header, dict):
         raise ValueError("adapter payload is not in safetensors format (bad header)")
-    with warnings.catch_warnings():  # read-only source: torch only reads it for the copy
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(raw)
     if torch.device(device).type == "cpu":
-        data = source.clone()
+        data = torch.empty(raw.size, dtype=torch.uint8)
+        copy_in_parallel(data.numpy(), raw)
     elif staging is not None:
         # pinned staging: a host memcpy plus a full-speed DMA beat one pageable transfer
         # (H200, 154 MB: 7 ms vs 20 ms)
         host = staging[: raw.size]
-        host.copy_(source)
+        copy_in_parallel(host.numpy(), raw)
         data = host.to(device, non_blocking=True)
         torch.cuda.current_stream(device).synchronize()  # the next push refills `staging`
     else:
-        data = source.to(device)
+        with warnings.catch_warnings():  # read-only source: torch only reads it for the copy
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(raw).to(device)
     base = 8 + header_len
     tensors = {}
     for name, info in header.items():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from shared.adapter_payload import decode_adapter, encode_adapter
+from shared.adapter_payload import copy_in_parallel, decode_adapter, encode_adapter
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -95,3 +95,11 @@ def test_shared_memory_file_holds_the_payload_and_is_removed_even_on_error():
             assert decode_adapter(np.fromfile(path, dtype=np.uint8)).keys() == _tensors().keys()
             raise RuntimeError("the engine refused the adapter")
     assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("size, threads", [(3 * 2**23 + 123, 3), (2**23 - 5, 4), (2**24, 1)])
+def test_parallel_copy_copies_every_byte(size, threads):
+    source = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    target = np.zeros_like(source)
+    copy_in_parallel(target, source, threads)
+    assert np.array_equal(target, source)
