@@ -82,6 +82,8 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
                          help="tokens the peer generates (default: --gen-len; fewer is quicker but flatters the "
                               "peer, whose cost per token grows with length)")
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
+    rollout.add_argument("--repeats", type=_at_least(1), default=3,
+                         help="timed vLLM runs per concurrency; the median is reported")
     rollout.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="vLLM's share; the peer needs the rest")
     rollout.add_argument("--engine-core", default="in-process", choices=ENGINE_CORES, help=ENGINE_CORE_HELP)
     rollout.add_argument("--request-seeds", default=True, action=argparse.BooleanOptionalAction,

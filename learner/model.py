@@ -71,9 +71,16 @@ def random_base(folder: str | Path, base_format: str, device: str, compute_dtype
     dtype = compute_dtype if base_format == "nf4" else _DTYPES[base_format]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    with torch.no_grad():  # built on a device context the weights can be left uninitialised
-        for param in model.parameters():
-            param.fill_(1.0) if param.dim() == 1 else param.normal_(0.0, 0.02)
+    # Built on a device context the weights can be left uninitialised: set them as a fresh
+    # model's would be (norms 1, biases 0, matrices N(0, 0.02)), from a fixed seed so that every
+    # run measures the same model (an unseeded one once sampled NaN logits in HF generate).
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.02, generator=generator)
+            else:
+                param.fill_(1.0 if "norm" in name else 0.0)
     if base_format == "nf4":
         quantize_linears_to_nf4(model, compute_dtype)
     model.requires_grad_(False)

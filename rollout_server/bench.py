@@ -12,6 +12,7 @@ worker extension) vs a peft folder on disk (vLLM's add_lora), p50/p95.
 from __future__ import annotations
 
 import random
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -43,6 +44,9 @@ class RolloutBenchArgs:
     peer_gen_len: int | None = None
     """Tokens the HF peer generates; None: the same as gen_len (a fair comparison)."""
     peer_format: str = "nf4"
+    repeats: int = 3
+    """Timed vLLM runs per concurrency; the table gives the median (one run can catch a stall:
+    an H200 run once measured half the speed at one concurrency of three). The slow HF peer runs once."""
     gpu_memory_utilization: float = 0.6
     engine_core: str = "in-process"
     """'in-process' (qerl's default) or 'separate' (vLLM's own engine-core process)."""
@@ -116,14 +120,16 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     rows = []
     for seqs in args.concurrency:
         prompts = _random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs)
-        sampling = SamplingSettings(n, 1.0, args.gen_len, seed=seqs, ignore_eos=True)
-        started = time.perf_counter()
-        completions = worker.generate(prompts, sampling)
-        elapsed = time.perf_counter() - started
-        tokens = sum(len(c.token_ids) for c in completions)
-        rows.append({"engine": f"vllm {base_format}", "seqs": len(completions), "tok_per_s": tokens / elapsed,
-                     "floor_tok_per_s": len(completions) / step_floor_s})
-        log(f"[qerl]   vLLM {len(completions)} seqs: {tokens / elapsed:,.0f} tok/s")
+        runs = []
+        for repeat in range(args.repeats):
+            sampling = SamplingSettings(n, 1.0, args.gen_len, seed=seqs + repeat, ignore_eos=True)
+            started = time.perf_counter()
+            completions = worker.generate(prompts, sampling)
+            runs.append(sum(len(c.token_ids) for c in completions) / (time.perf_counter() - started))
+        rows.append({"engine": f"vllm {base_format}", "seqs": len(completions), "tok_per_s": statistics.median(runs),
+                     "tok_per_s_runs": runs, "floor_tok_per_s": len(completions) / step_floor_s})
+        log(f"[qerl]   vLLM {len(completions)} seqs: {statistics.median(runs):,.0f} tok/s "
+            f"(runs: {', '.join(f'{r:,.0f}' for r in runs)})")
     worker.shutdown()
     del worker
 
@@ -168,8 +174,10 @@ def hf_generate_throughput(folder: Path, is_random: bool, args: RolloutBenchArgs
     for seqs in args.peer_concurrency:
         prompts = torch.tensor(_random_prompts(max(1, seqs // n), args.prompt_len, vocab, seqs), device=device)
         length = args.peer_gen_len or args.gen_len
-        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=length,
-                      min_new_tokens=length, num_return_sequences=n, pad_token_id=0)
+        # remove_invalid_values: a NaN logit would end the process in a device-side assert
+        # and lose the vLLM figures already measured; it costs two elementwise ops per step
+        kwargs = dict(do_sample=True, temperature=1.0, max_new_tokens=length, min_new_tokens=length,
+                      num_return_sequences=n, pad_token_id=0, remove_invalid_values=True)
         with torch.no_grad():
             model.generate(prompts[:1], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
             sync_device(device)
