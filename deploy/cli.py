@@ -62,6 +62,14 @@ def _folder(text: str) -> str:
     return str(Path(text).expanduser().resolve())
 
 
+def _output_folder(text: str) -> str:
+    from pathlib import Path
+
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return text
+
+
 ENGINE_CORES = ["in-process", "separate"]
 ENGINE_CORE_HELP = "where vLLM's engine core runs: in the worker's process (rollout.in_process=true) or its own"
 
@@ -92,6 +100,9 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--lora-kernel-configs", type=_folder, default=None,
                          help="tuned LoRA kernel configs, as rollout.lora_kernel_configs (qerl bench lora-kernels)")
     rollout.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="as rollout.kv_cache_dtype")
+    rollout.add_argument("--profile", metavar="DIR", type=_output_folder, default=None,
+                         help="also profile one generate (device time by kernel kind, GPU busy share); op table in DIR")
+    rollout.add_argument("--profile-seqs", type=_at_least(1), default=64, help="sequences in the profiled generate")
     rollout.add_argument("--json", help="also write the results here")
     sync = kinds.add_parser("sync", help="adapter push latency into N workers: in memory vs from disk")
     sync.add_argument("--model", default="tiny", help=model_help)
@@ -115,7 +126,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     kernels.add_argument("--lora-rank", type=_at_least(1), default=32)
     kernels.add_argument("--tokens", type=_ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
                          help="tokens per kernel call: decode batch sizes and prefill chunks")
-    kernels.add_argument("--out", default="configs/lora-kernels",
+    kernels.add_argument("--out", type=_output_folder, default="configs/lora-kernels",
                          help="folder for the config files (merged with those already there)")
     kernels.add_argument("--json")
 

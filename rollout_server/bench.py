@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from rollout_server.rollout_profile import profile_generate
 from rollout_server.worker import RolloutWorker
 from shared.adapter_payload import decode_adapter
 from shared.bench_utils import (
@@ -27,6 +28,7 @@ from shared.bench_utils import (
     write_json,
 )
 from shared.config import RolloutConfig
+from shared.errors import QerlError
 from shared.random_adapter import random_adapter, write_peft_folder
 from shared.types import SamplingSettings
 
@@ -56,6 +58,10 @@ class RolloutBenchArgs:
     """rollout.lora_kernel_configs: tuned LoRA kernel configs (`qerl bench lora-kernels`)."""
     kv_cache_dtype: str = "auto"
     """rollout.kv_cache_dtype."""
+    profile: str | None = None
+    """Folder: after the sweep, profile one generate of `profile_seqs` sequences (up to 128
+    generated tokens, to keep the trace small) and write its op table there."""
+    profile_seqs: int = 64
     json: str | None = None
 
 
@@ -96,6 +102,8 @@ def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list
 def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     from transformers import AutoConfig
 
+    if args.profile and args.engine_core != "in-process":
+        raise QerlError("--profile needs --engine-core in-process: the profiler sees only this process's engine")
     folder, is_random = resolve_bench_model(args.model)
     device = _device()
     base_format = args.base_format if args.base_format != "auto" else ("bf16" if device == "cuda" else "fp32")
@@ -130,6 +138,12 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
                      "tok_per_s_runs": runs, "floor_tok_per_s": len(completions) / step_floor_s})
         log(f"[qerl]   vLLM {len(completions)} seqs: {statistics.median(runs):,.0f} tok/s "
             f"(runs: {', '.join(f'{r:,.0f}' for r in runs)})")
+    profile = None
+    if args.profile:
+        prompts = _random_prompts(max(1, args.profile_seqs // n), args.prompt_len, vocab, args.profile_seqs)
+        steps = min(args.gen_len, 128)
+        sampling = SamplingSettings(n, 1.0, steps, seed=args.profile_seqs, ignore_eos=True)
+        profile = profile_generate(lambda: worker.generate(prompts, sampling), steps, args.profile, log)
     worker.shutdown()
     del worker
 
@@ -149,7 +163,7 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     result = {"benchmark": "rollout", "args": args.__dict__, "environment": environment_facts(),
               "bandwidth_bytes_per_s": bandwidth, "decode_step_floor_ms": step_floor_s * 1e3, "rows": rows,
               "peer": {"format": args.peer_format, "gen_len": args.peer_gen_len or args.gen_len,
-                       "tok_per_s": {str(k): v for k, v in peers.items()}}}
+                       "tok_per_s": {str(k): v for k, v in peers.items()}}, "profile": profile}
     write_json(args.json, result, log)
     return result
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_server.rollout_profile import busy_us, kernel_kind
+
 ROOT = Path(__file__).parents[1]
 pytestmark = pytest.mark.slow
 
@@ -38,6 +40,25 @@ def test_bench_rollout_measures_vllm_and_the_hf_peer(tmp_path):
         rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
     assert rows[32]["peer_tok_per_s"] is None
     assert report["decode_step_floor_ms"] > 0 and report["environment"]["vllm"].startswith("0.")
+
+
+def test_bench_rollout_profile_writes_the_op_table(tmp_path):
+    report = _bench(tmp_path, "rollout", "--model", "tiny", "--lora-rank", "8", "--concurrency", "8",
+                    "--prompt-len", "8", "--gen-len", "8", "--samples-per-prompt", "4", "--peer-concurrency", "",
+                    "--repeats", "1", "--profile", str(tmp_path / "profile"), "--profile-seqs", "8")
+    profile = report["profile"]
+    assert profile["steps"] == 8 and profile["wall_ms_per_step"] > 0
+    ops = (tmp_path / "profile" / "ops.txt").read_text()
+    assert "Self CPU" in ops  # the CPU engine: a table of ops, no device kernels
+    assert profile["device_busy_share"] is None and profile["device_ms_per_step"] == {}
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    intervals = [("a", 0.0, 10.0), ("b", 5.0, 12.0), ("c", 20.0, 25.0), ("d", 21.0, 22.0)]
+    assert busy_us(intervals) == 17.0
+    assert kernel_kind("_lora_shrink_kernel") == "lora"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kernel_kind("flash_fwd_splitkv_kernel") == "attention"
 
 
 def test_bench_sync_compares_memory_and_disk(tmp_path):

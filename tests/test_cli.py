@@ -69,6 +69,8 @@ def test_help(args):
     (["bench", "sync", "--repeats", "0"], "qerl bench sync: error: argument --repeats: expected an integer >= 1, got 0"),
     (["bench", "rollout", "--concurrency", "16,x"], "qerl bench rollout: error: argument --concurrency: expected"),
     (["train"], "qerl train: error: the following arguments are required: --config"),
+    (["bench", "rollout", "--profile", "README.md"],
+     "qerl bench rollout: error: argument --profile: README.md is a file, not a folder"),
     (["bench", "rollout", "--lora-kernel-configs", "/no/such/qerl-folder"],
      "qerl bench rollout: error: argument --lora-kernel-configs: no such folder: /no/such/qerl-folder"),
 ])

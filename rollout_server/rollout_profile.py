@@ -1,0 +1,86 @@
+"""Where a rollout's decode time goes: one generate under torch.profiler (`qerl bench rollout
+--profile DIR`), for the engine in the worker's own process.
+
+It reports, per decode step, the device time by kind of kernel (GEMM, attention, LoRA, ...)
+and how much of the wall time the GPU was busy at all: a step far from its weight-read floor
+is either slow kernels or a device waiting for the host, and this tells which.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+# First match wins; names are CUDA kernel names as the profiler records them.
+KERNEL_KINDS = [
+    ("lora", re.compile(r"lora", re.I)),
+    ("attention", re.compile(r"flash|attn|attention|fmha|paged", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk", re.I)),
+    ("sampling", re.compile(r"softmax|topk|top_k|sort|multinomial|exponential|argmax|log_softmax|gumbel", re.I)),
+    ("norm/activation", re.compile(r"norm|silu|act_and_mul|rotary|rope", re.I)),
+    ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
+]
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def _device_intervals(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every device kernel the profiler saw."""
+    from torch.autograd import DeviceType
+
+    return [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start
+    ]
+
+
+def busy_us(intervals: list[tuple[str, float, float]]) -> float:
+    """Length of the union of the intervals: time the device ran at least one kernel."""
+    total, reach = 0.0, float("-inf")
+    for _, start, end in sorted(intervals, key=lambda item: item[1]):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def profile_generate(generate, steps: int, out_dir: str | Path, log=print) -> dict:
+    """Run `generate()` under the profiler; write the op table to out_dir/ops.txt and return
+    the summary (device ms per decode step by kind, GPU-busy share of the wall time)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        generate()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - started) * 1e6
+    sort_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (out / "ops.txt").write_text(prof.key_averages().table(sort_by=sort_key, row_limit=40) + "\n")
+    intervals = _device_intervals(prof)
+    by_kind: dict[str, float] = {}
+    for name, start, end in intervals:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - start)
+    summary = {
+        "wall_ms": wall_us / 1e3,
+        "steps": steps,
+        "wall_ms_per_step": wall_us / 1e3 / steps,
+        "device_busy_share": busy_us(intervals) / wall_us if intervals else None,
+        "device_ms_per_step": {kind: us / 1e3 / steps for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "ops_table": str(out / "ops.txt"),
+    }
+    log(f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per decode step (wall), "
+        + (f"device busy {summary['device_busy_share']:.0%} of it; device ms per step: "
+           + ", ".join(f"{kind} {ms:.2f}" for kind, ms in summary["device_ms_per_step"].items())
+           if intervals else "no device kernels recorded (CPU engine)")
+        + f"; op table: {out / 'ops.txt'}")
+    return summary
