@@ -2,8 +2,9 @@
 
 vLLM launches its LoRA shrink (x @ A) and expand (@ B, added to the output) kernels with
 generic launch configs unless VLLM_TUNED_CONFIG_FOLDER holds configs for the GPU, and it ships
-none. On the H200 the LoRA kernels take about a quarter of a 7B decode step at 64 sequences
-(../shared/gpu baseline: 10,850 tok/s without an adapter, 8,007 with r32).
+none. On the H200 an r32 adapter adds about a quarter to a 7B decode step at 64 sequences
+(../shared/gpu baseline: 10,850 tok/s without, 8,007 with); these kernels are 1.4 ms of it,
+1.1 ms tuned (BENCHMARKS.md).
 
 For each kernel, LoRA'd linear layer and token count this times a small grid of launch configs
 the way vLLM runs decode (calls captured in one CUDA graph, replayed), drops any candidate whose

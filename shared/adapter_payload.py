@@ -29,8 +29,8 @@ def copy_in_parallel(target: np.ndarray, source: np.ndarray, threads: int = COPY
     """target[:] = source, in 8 MB chunks on several threads (numpy drops the GIL to copy).
 
     A Ray actor's torch runs on its CPU share (one thread), and a freshly put object's pages
-    fault in as they are first read: one thread staged a 154 MB adapter in ~40 ms on the H200
-    host. Two threads on the 2-core dev machine: fresh 154 MB objects 21 -> 13.5 ms."""
+    fault in as they are first read: staging a 154 MB adapter on the H200 host took 40.9 ms on
+    one thread, 15.7 ms on 8 (`qerl bench sync`'s copy phase, BENCHMARKS.md)."""
     if threads <= 1 or source.size <= _COPY_CHUNK:
         np.copyto(target, source)
         return

@@ -61,8 +61,9 @@ class RolloutConfig(_Strict):
     kernel per sequence per step; on the H200 that cost nothing measurable (BENCHMARKS.md)."""
     lora_kernel_configs: str | None = None
     """Folder of tuned launch configs for vLLM's LoRA kernels (VLLM_TUNED_CONFIG_FOLDER), as
-    `qerl bench lora-kernels` writes them; configs/lora-kernels holds the H200's for the Qwen2.5
-    shapes. None: vLLM's generic defaults. Must exist on every rollout node, like model.path."""
+    `qerl bench lora-kernels` writes them; configs/lora-kernels holds the H200's for the
+    Qwen2.5-7B shape. None: vLLM's generic defaults. Must exist on every rollout node, like
+    model.path."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """"fp8" halves the KV cache's bytes (GPU only); "auto" keeps the model dtype."""
 

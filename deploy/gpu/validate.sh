@@ -6,8 +6,9 @@
 # seeds off, separate engine core, fp8 base); lora-tune tunes vLLM's LoRA kernels for the 7B shape
 # (files in $out/lora-kernels; configs/lora-kernels holds the committed ones); lora-kernels
 # compares the 7B rollout with vLLM's default LoRA kernels and configs/lora-kernels, bf16;
-# lora-kernels-fp8 the same on the fp8 base with a separate engine core, and adds an fp8 KV cache;
-# profile shows where a 64-sequence decode step goes, with the adapter and without.
+# lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
+# cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
+# and without. Each opt-in stage fits one 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -72,8 +73,11 @@ for stage in ${*:-tests rollout sync learner train}; do
     lora-kernels-fp8)
       fp8=(--peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8)
       lever fp8_separate "${fp8[@]}"
-      lever fp8_separate_tuned "${fp8[@]}" --lora-kernel-configs "$kernels"
-      lever fp8_separate_tuned_fp8kv "${fp8[@]}" --lora-kernel-configs "$kernels" --kv-cache-dtype fp8 ;;
+      lever fp8_separate_tuned "${fp8[@]}" --lora-kernel-configs "$kernels" ;;
+    fp8-kv)
+      fp8=(--peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8)
+      lever fp8_separate "${fp8[@]}"
+      lever fp8_separate_fp8kv "${fp8[@]}" --kv-cache-dtype fp8 ;;
     profile)
       lever profiled --peer-concurrency "" --concurrency 64 --profile "$out/profile_lora"
       lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --lora-rank 0 \
@@ -87,7 +91,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 profile)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile)"; exit 2 ;;
   esac
 done
 exit $status
