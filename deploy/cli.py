@@ -55,11 +55,12 @@ def _at_least(minimum: int):
 
 
 def _folder(text: str) -> str:
-    from pathlib import Path
+    from shared.config import existing_folder
 
-    if not Path(text).expanduser().is_dir():
-        raise argparse.ArgumentTypeError(f"no such folder: {text}")
-    return str(Path(text).expanduser().resolve())
+    try:
+        return existing_folder(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _output_folder(text: str) -> str:

@@ -69,7 +69,8 @@ def profile_generate(generate, steps: int, out_dir: str | Path, log=print) -> di
     intervals = _device_intervals(prof)
     by_kind: dict[str, float] = {}
     for name, start, end in intervals:
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + (end - start)
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (end - start)
     summary = {
         "wall_ms": wall_us / 1e3,
         "steps": steps,

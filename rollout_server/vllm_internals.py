@@ -193,6 +193,7 @@ class LoraKernel:
             meta.meta_args).parameters else {}
         self._meta = meta.meta_args(tokens, **extra)
         self._meta_keepalive = meta
+        self._key: dict | None = None
         slices = len(fan_outs)
         generator = torch.Generator(device="cuda").manual_seed(0)
 
@@ -213,6 +214,16 @@ class LoraKernel:
             self._kernel(self.inputs, self.weights, self.output, *self._meta, 1.0)
         else:
             self._kernel(self.inputs, self.weights, self.output, *self._meta, offset_start=0, add_inputs=True)
+
+    def lookup_key(self) -> dict:
+        """The arguments vLLM looks this call's launch config up by, as its own call passes them
+        (found by one launch, then kept)."""
+        if self._key is None:
+            seen: list[dict] = []
+            with self.config(None, seen):
+                self()
+            self._key = seen[0]
+        return self._key
 
     @contextmanager
     def config(self, chosen: dict | None, seen: list[dict] | None = None):

@@ -15,6 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from shared.errors import QerlError
 
 
+def existing_folder(value: str) -> str:
+    """`value` as an absolute folder path; ValueError where there is no such folder."""
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"no such folder: {value}")
+    return str(folder.resolve())
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -70,12 +78,7 @@ class RolloutConfig(_Strict):
     @field_validator("lora_kernel_configs")
     @classmethod
     def _existing_folder(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        folder = Path(value).expanduser()
-        if not folder.is_dir():
-            raise ValueError(f"no such folder: {value}")
-        return str(folder.resolve())
+        return None if value is None else existing_folder(value)
 
 
 class AqnConfig(_Strict):
