@@ -65,23 +65,27 @@ def profile_generate(generate, steps: int, out_dir: str | Path, log=print) -> di
             torch.cuda.synchronize()
         wall_us = (time.perf_counter() - started) * 1e6
     sort_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    (out / "ops.txt").write_text(prof.key_averages().table(sort_by=sort_key, row_limit=40) + "\n")
+    (out / "ops.txt").write_text(prof.key_averages().table(sort_by=sort_key, row_limit=60) + "\n")
     intervals = _device_intervals(prof)
     by_kind: dict[str, float] = {}
+    launches: dict[str, int] = {}  # many short kernels cost launch gaps that device time hides
     for name, start, end in intervals:
         kind = kernel_kind(name)
         by_kind[kind] = by_kind.get(kind, 0.0) + (end - start)
+        launches[kind] = launches.get(kind, 0) + 1
     summary = {
         "wall_ms": wall_us / 1e3,
         "steps": steps,
         "wall_ms_per_step": wall_us / 1e3 / steps,
         "device_busy_share": busy_us(intervals) / wall_us if intervals else None,
         "device_ms_per_step": {kind: us / 1e3 / steps for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": {kind: launches[kind] / steps for kind in sorted(by_kind, key=lambda k: -by_kind[k])},
         "ops_table": str(out / "ops.txt"),
     }
     log(f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per decode step (wall), "
         + (f"device busy {summary['device_busy_share']:.0%} of it; device ms per step: "
-           + ", ".join(f"{kind} {ms:.2f}" for kind, ms in summary["device_ms_per_step"].items())
+           + ", ".join(f"{kind} {ms:.2f} ({launches[kind] / steps:.0f} kernels)"
+                       for kind, ms in summary["device_ms_per_step"].items())
            if intervals else "no device kernels recorded (CPU engine)")
         + f"; op table: {out / 'ops.txt'}")
     return summary

@@ -8,7 +8,8 @@
 # compares the 7B rollout with vLLM's default LoRA kernels and configs/lora-kernels, bf16;
 # lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
 # cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
-# and without. Each opt-in stage fits one 10-minute device call (two or three engines).
+# and without; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
+# levers added one at a time (tuned LoRA kernels, then an fp8 KV cache). Each opt-in stage fits one 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -82,6 +83,12 @@ for stage in ${*:-tests rollout sync learner train}; do
       lever profiled --peer-concurrency "" --concurrency 64 --profile "$out/profile_lora"
       lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --lora-rank 0 \
           --profile "$out/profile_no_adapter" ;;
+    ratio)
+      fp8=(--concurrency 64 --no-request-seeds --engine-core separate --base-format fp8)
+      lever ratio_fp8 "${fp8[@]}" --peer-concurrency 64
+      lever ratio_fp8_tuned "${fp8[@]}" --peer-concurrency "" --lora-kernel-configs "$kernels"
+      lever ratio_fp8_tuned_fp8kv "${fp8[@]}" --peer-concurrency "" --lora-kernel-configs "$kernels" \
+          --kv-cache-dtype fp8 ;;
     learner)
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
@@ -91,7 +98,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile ratio)"; exit 2 ;;
   esac
 done
 exit $status
