@@ -3,8 +3,8 @@
 vLLM launches its LoRA shrink (x @ A) and expand (@ B, added to the output) kernels with
 generic launch configs unless VLLM_TUNED_CONFIG_FOLDER holds configs for the GPU, and it ships
 none. On the H200 an r32 adapter adds about a quarter to a 7B decode step at 64 sequences
-(../shared/gpu baseline: 10,850 tok/s without, 8,007 with); these kernels are 1.4 ms of it,
-1.1 ms tuned (BENCHMARKS.md).
+(profiled: 6.08 -> 7.77 ms); these kernels are 1.45 ms of it with vLLM's configs, 1.14 ms
+tuned, and the zero-fills of their buffers 0.1 ms (BENCHMARKS.md, fifth run).
 
 For each kernel, LoRA'd linear layer and token count this times a small grid of launch configs
 the way vLLM runs decode (calls captured in one CUDA graph, replayed), drops any candidate whose
