@@ -9,7 +9,8 @@
 # lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
 # cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
 # and without; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
-# levers added one at a time (tuned LoRA kernels, then an fp8 KV cache). Each opt-in stage fits one 10-minute device call (two or three engines).
+# levers added one at a time (tuned LoRA kernels, then an fp8 KV cache). Each opt-in stage fits
+# one 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
