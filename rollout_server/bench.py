@@ -125,7 +125,6 @@ def bench_rollout(args: RolloutBenchArgs, log=print) -> dict:
     worker = RolloutWorker(0, str(folder), config, max(args.lora_rank, 8))
     if adapter is not None:
         worker.load_adapter(adapter)
-    worker.generate(_random_prompts(1, args.prompt_len, vocab, 0), SamplingSettings(n, 1.0, 8, 0, ignore_eos=True))
     bandwidth = copy_bandwidth(device)
     served_bytes = weight_bytes(folder, base_format)
     step_floor_s = served_bytes / bandwidth
