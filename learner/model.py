@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from shared.errors import QerlError
+from shared.formats import learner_dtype
 
-_DTYPES = {"nf4": torch.float32, "bf16": torch.bfloat16, "fp32": torch.float32}
+TOKENIZER_AND_GENERATION_FILES = ("vocab.json", "merges.txt", "generation_config.json")
 
 
 def check_model_folder(path: str | Path) -> Path:
@@ -29,7 +30,7 @@ def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_d
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     path = check_model_folder(path)
-    kwargs: dict = {"dtype": _DTYPES[base_format], "device_map": device}
+    kwargs: dict = {"dtype": learner_dtype(base_format), "device_map": device}
     if base_format == "nf4":
         kwargs["dtype"] = compute_dtype
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -40,11 +41,11 @@ def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_d
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.requires_grad_(False)
-    _keep_exact_nf4_kernels(model)
+    keep_exact_nf4_kernels(model)
     return model
 
 
-def _keep_exact_nf4_kernels(model) -> None:
+def keep_exact_nf4_kernels(model) -> None:
     """bitsandbytes repacks NF4 weights for a bf16 CPU kernel at the first no-grad eval forward:
     logprobs drift by ~3e-3 from the dequantized weights and later training steps fail. The
     learner wants the same arithmetic in every mode, so switch that path off."""
@@ -53,60 +54,6 @@ def _keep_exact_nf4_kernels(model) -> None:
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.support_avx512bf16_for_cpu = False
-
-
-def benchmark_base(folder: str | Path, random_weights: bool, base_format: str, device: str, compute_dtype):
-    """The base a benchmark measures: random weights for a shape-only folder, else loaded."""
-    if random_weights:
-        return random_base(folder, base_format, device, compute_dtype)
-    return load_base(folder, base_format, device, compute_dtype)
-
-
-def random_base(folder: str | Path, base_format: str, device: str, compute_dtype=torch.bfloat16):
-    """A base with random weights from a config-only folder (benchmarks): built in
-    `compute_dtype` on `device`, then every linear layer but the head quantized to NF4."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    dtype = compute_dtype if base_format == "nf4" else _DTYPES[base_format]
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    # Built on a device context the weights can be left uninitialised: set them as a fresh
-    # model's would be (norms 1, biases 0, matrices N(0, 0.02)), from a fixed seed so that every
-    # run measures the same model (an unseeded one once sampled NaN logits in HF generate).
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.02, generator=generator)
-            else:
-                param.fill_(1.0 if "norm" in name else 0.0)
-    if base_format == "nf4":
-        quantize_linears_to_nf4(model, compute_dtype)
-    model.requires_grad_(False)
-    return model
-
-
-def quantize_linears_to_nf4(model, compute_dtype) -> None:
-    """Swap nn.Linear layers (not the output head) for bitsandbytes NF4 ones, double quant."""
-    import bitsandbytes as bnb
-
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, torch.nn.Linear) or name == "lm_head":
-                continue
-            device = child.weight.device
-            layer = bnb.nn.Linear4bit(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4", device="meta",
-            )
-            layer.weight = bnb.nn.Params4bit(
-                child.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-            ).to(device)
-            if child.bias is not None:
-                layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, name, layer)
-    _keep_exact_nf4_kernels(model)
 
 
 def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
@@ -150,6 +97,6 @@ def export_rollout_base(base, source: str | Path, target: str | Path, dtype: tor
     config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
     (target / "config.json").write_text(json.dumps(config, indent=2))
     for name in source.iterdir():
-        if name.is_file() and ("token" in name.name or name.name in ("vocab.json", "merges.txt", "generation_config.json")):
+        if name.is_file() and ("token" in name.name or name.name in TOKENIZER_AND_GENERATION_FILES):
             shutil.copy(name, target / name.name)
     return target

@@ -1,56 +1,82 @@
-"""The three benchmarks run end to end on the tiny model and report sane figures (CPU smoke;
-the numbers that matter come from the GPU run in BENCHMARKS.md)."""
+"""The benchmarks end to end on the tiny model, in this process (one worker each), checked for
+what a broken benchmark would get wrong: token counts, medians, the adapter actually served,
+consistent ratios. The figures that matter come from the GPU run in BENCHMARKS.md."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from rollout_server.rollout_profile import busy_us, kernel_kind
+from benchmarks.learner import LearnerBenchArgs, bench_learner
+from benchmarks.profile import busy_us, kernel_kind
+from benchmarks.rollout import RolloutBenchArgs, bench_rollout, sequence_lengths
+from benchmarks.sync import SyncBenchArgs, bench_sync
+from shared.config import load_config
+from shared.errors import QerlError
 
-ROOT = Path(__file__).parents[1]
-pytestmark = pytest.mark.slow
-
-
-def _bench(tmp_path: Path, *args: str) -> dict:
-    out = tmp_path / "result.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "bench", *args, "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
+ONE_WORKER = ["rollout.num_workers=1", "rollout.num_cpus_per_worker=1", "lora.rank=8", "lora.alpha=16"]
 
 
-def test_bench_rollout_measures_vllm_and_the_hf_peer(tmp_path):
-    report = _bench(tmp_path, "rollout", "--model", "tiny", "--lora-rank", "16", "--concurrency", "8,32",
-                    "--prompt-len", "8", "--gen-len", "16", "--samples-per-prompt", "4",
-                    "--peer-concurrency", "8", "--peer-gen-len", "8", "--no-request-seeds", "--repeats", "3")
-    assert report["args"]["request_seeds"] is False
+@pytest.mark.slow
+def test_bench_rollout_measures_vllm_the_profile_and_the_hf_peer(ray_local, tmp_path):
+    config = load_config(None, [*ONE_WORKER, "rollout.samples_per_prompt=4", "rollout.request_seeds=false"])
+    args = RolloutBenchArgs(concurrency=(8, 16), prompt_len=8, gen_len=12, repeats=3, peer_concurrency=(8,),
+                            peer_gen_len=6, profile=str(tmp_path / "profile"), profile_seqs=8,
+                            json=str(tmp_path / "result.json"))
+    report = bench_rollout(config, args, log=print)
+    assert json.loads((tmp_path / "result.json").read_text())["rows"] == report["rows"]
+    assert report["config"]["rollout"]["request_seeds"] is False
     rows = {row["seqs"]: row for row in report["rows"]}
-    assert set(rows) == {8, 32}
-    for row in rows.values():  # the reported figure is the median of the timed runs
-        assert len(row["tok_per_s_runs"]) == 3 and row["tok_per_s"] == sorted(row["tok_per_s_runs"])[1]
-    assert all(row["tok_per_s"] > 0 and row["floor_tok_per_s"] > row["tok_per_s"] for row in rows.values())
-    assert rows[8]["peer_tok_per_s"] > 0 and rows[8]["ratio_to_peer"] == pytest.approx(
-        rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
-    assert rows[32]["peer_tok_per_s"] is None
-    assert report["decode_step_floor_ms"] > 0 and report["environment"]["vllm"].startswith("0.")
-
-
-def test_bench_rollout_profile_writes_the_op_table(tmp_path):
-    report = _bench(tmp_path, "rollout", "--model", "tiny", "--lora-rank", "8", "--concurrency", "8",
-                    "--prompt-len", "8", "--gen-len", "8", "--samples-per-prompt", "4", "--peer-concurrency", "",
-                    "--repeats", "1", "--profile", str(tmp_path / "profile"), "--profile-seqs", "8")
+    assert set(rows) == {8, 16}
+    for seqs, row in rows.items():
+        assert row["tokens_per_run"] == [seqs * 12] * 3  # ignore_eos: every sequence runs to gen_len
+        assert row["tok_per_s"] == sorted(row["tok_per_s_runs"])[1]  # the median of the timed runs
+        assert row["adapter_versions"] == [1]  # every completion came from the pushed adapter
+        assert row["floor_tok_per_s"] > row["tok_per_s"] > 0
+    assert rows[8]["ratio_to_peer"] == pytest.approx(rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
+    assert rows[16]["peer_tok_per_s"] is None
+    assert report["peer"]["gen_len"] == 6
     profile = report["profile"]
-    assert profile["steps"] == 8 and profile["wall_ms_per_step"] > 0
-    ops = (tmp_path / "profile" / "ops.txt").read_text()
-    assert "Self CPU" in ops  # the CPU engine: a table of ops, no device kernels
+    assert profile["steps"] == 12 and profile["wall_ms_per_step"] > 0
+    assert "Self CPU" in (tmp_path / "profile" / "ops.txt").read_text()  # CPU engine: an op table, no kernels
     assert profile["device_busy_share"] is None and profile["device_ms_per_step"] == {}
+
+
+def test_default_lengths_fit_the_model_and_too_long_is_an_error():
+    assert sequence_lengths(None, None, 32768) == (256, 512)
+    assert sequence_lengths(None, None, 256) == (64, 128)  # the tiny model's context
+    with pytest.raises(QerlError, match="exceed the model's context of 256 tokens"):
+        sequence_lengths(256, 512, 256)
+
+
+@pytest.mark.slow
+def test_bench_sync_compares_memory_and_disk(ray_local, tmp_path):
+    config = load_config(None, ONE_WORKER)
+    report = bench_sync(config, SyncBenchArgs(repeats=3), log=print)
+    assert [row["route"] for row in report["rows"]] == ["in-memory (object store)", "disk (peft folder, add_lora)"]
+    for row in report["rows"]:
+        assert 0 < row["worker_p50_ms"] <= row["p50_ms"] * 1.05 and row["p50_ms"] <= row["p95_ms"]
+    assert report["served_adapters"] == [[report["last_version"]]]  # the last push is what serves
+    phases = report["in_memory_phase_p50_ms"]
+    assert list(phases) == ["copy", "build", "activate"] and all(ms > 0 for ms in phases.values())
+    assert sum(phases.values()) <= report["rows"][0]["worker_p50_ms"] * 1.5  # parts of the worker's load
+
+
+def test_bench_learner_covers_formats_and_micro_batches():
+    config = load_config(None, ["lora.rank=8", "lora.alpha=16"])
+    report = bench_learner(config, LearnerBenchArgs(micro_batches=(1, 2), prompt_len=8, gen_len=8, repeats=1))
+    assert [(r["base"], r["micro_batch"]) for r in report["rows"]] == [("nf4", 1), ("nf4", 2), ("bf16", 1), ("bf16", 2)]
+    for row in report["rows"]:
+        assert row["tokens"] == row["micro_batch"] * 16
+        assert row["tok_per_s"] * row["step_ms"] / 1e3 == pytest.approx(row["tokens"])
+        assert row["loss_finite"] and row["grad_norm"] > 0 and row["export_ms"] > 0
+        assert row["peak_gib"] is None  # no GPU here
+
+
+def test_bench_learner_rejects_an_unknown_format():
+    with pytest.raises(QerlError, match="--formats int3"):
+        bench_learner(load_config(None), LearnerBenchArgs(formats=("int3",)))
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
@@ -59,33 +85,3 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert kernel_kind("_lora_shrink_kernel") == "lora"
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert kernel_kind("flash_fwd_splitkv_kernel") == "attention"
-
-
-def test_bench_sync_compares_memory_and_disk(tmp_path):
-    # engine cores in their own processes: the in-memory route crosses as a shared-memory file
-    report = _bench(tmp_path, "sync", "--model", "tiny", "--lora-rank", "16", "--workers", "2", "--repeats", "3",
-                    "--engine-core", "separate")
-    routes = [row["route"] for row in report["rows"]]
-    assert routes == ["in-memory (object store)", "disk (peft folder, add_lora)"]
-    assert all(0 < row["worker_p50_ms"] and 0 < row["p50_ms"] <= row["p95_ms"] for row in report["rows"])
-    assert report["adapter_mb"] > 0 and report["args"]["engine_core"] == "separate"
-    phases = report["in_memory_phase_p50_ms"]
-    assert list(phases) == ["copy", "build", "activate"] and all(ms > 0 for ms in phases.values())
-    # the phases are parts of the worker's own load time
-    assert sum(phases.values()) <= report["rows"][0]["worker_p50_ms"] * 1.5
-
-
-def test_bench_learner_covers_formats_and_micro_batches(tmp_path):
-    report = _bench(tmp_path, "learner", "--model", "tiny", "--micro-batches", "1,2", "--prompt-len", "8",
-                    "--gen-len", "8", "--lora-rank", "8", "--repeats", "1")
-    assert [(r["base"], r["micro_batch"]) for r in report["rows"]] == [("nf4", 1), ("nf4", 2), ("bf16", 1), ("bf16", 2)]
-    assert all(r["tok_per_s"] > 0 and r["step_ms"] > 0 and r["export_ms"] > 0 for r in report["rows"])
-
-
-def test_unknown_model_is_a_one_line_error():
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "rollout", "--model", "qwen9-400b"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "qerl: error: --model 'qwen9-400b' is neither 'tiny', a known shape, nor a model folder with config.json"
-    ]

@@ -1,81 +1,102 @@
-"""`qerl` on bad input: one line naming the problem, a non-zero exit, earlier outputs untouched."""
+"""`qerl` on bad input: one line naming the problem, a non-zero exit, earlier outputs untouched.
+In process: the entry point's `main` as the console script calls it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from deploy.cli import main
 
 
-def _qerl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+def _qerl(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:  # argparse's own exits (--help, bad arguments)
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-def _assert_one_line_error(result: subprocess.CompletedProcess, expected: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qerl: error: "), result.stderr
+def _assert_one_line_error(result: tuple[int, str, str], expected: str) -> None:
+    code, _, err = result
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qerl: error: "), err
     assert expected in lines[0]
 
 
-def test_unknown_config_key(tmp_path):
+def test_unknown_config_key(tmp_path, capsys):
     config = tmp_path / "bad.yaml"
     config.write_text("rollout:\n  num_wrokers: 2\n")
-    _assert_one_line_error(_qerl("train", "--config", str(config)), "rollout.num_wrokers: Extra inputs are not permitted")
+    _assert_one_line_error(_qerl(capsys, "train", "--config", str(config)),
+                           "rollout.num_wrokers: Extra inputs are not permitted")
 
 
-def test_wrong_type_override():
-    _assert_one_line_error(
-        _qerl("train", "--config", "configs/tiny_cpu.yaml", "train.steps=lots"), "train.steps: Input should be a valid integer"
-    )
+def test_wrong_type_override(capsys):
+    _assert_one_line_error(_qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", "train.steps=lots"),
+                           "train.steps: Input should be a valid integer")
 
 
-def test_missing_model_path(tmp_path):
-    result = _qerl("train", "--config", "configs/tiny_cpu.yaml", f"model.path={tmp_path / 'nope'}",
+def test_missing_model_path(tmp_path, capsys):
+    result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", f"model.path={tmp_path / 'nope'}",
                    f"train.run_dir={tmp_path / 'run'}")
     _assert_one_line_error(result, "is not a Hugging Face model folder")
 
 
-def test_malformed_dataset_line(tmp_path):
+def test_malformed_dataset_line(tmp_path, capsys):
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "1+1=", "answer": "#### 2"}\n{"question": "2+2=", "answer": \n')
-    result = _qerl("train", "--config", "configs/tiny_cpu.yaml", "task.name=jsonl", f"task.path={data}",
+    result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", "task.name=jsonl", f"task.path={data}",
                    f"train.run_dir={tmp_path / 'run'}")
     _assert_one_line_error(result, "data.jsonl:2: not valid JSON")
 
 
-def test_existing_run_is_not_overwritten(tmp_path):
+def test_existing_run_is_not_overwritten(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0}\n')
-    result = _qerl("train", "--config", "configs/tiny_cpu.yaml", f"train.run_dir={run_dir}")
+    result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", f"train.run_dir={run_dir}")
     _assert_one_line_error(result, "already holds a run")
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
-@pytest.mark.parametrize("args", [["--help"], ["train", "--help"]])
-def test_help(args):
-    result = _qerl(*args)
-    assert result.returncode == 0 and "usage: qerl" in result.stdout
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["bench", "rollout", "--help"]])
+def test_help(args, capsys):
+    code, out, _ = _qerl(capsys, *args)
+    assert code == 0 and "usage: qerl" in out
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["bench", "sync", "--repeats", "0"], "qerl bench sync: error: argument --repeats: expected an integer >= 1, got 0"),
+    (["bench", "sync", "--repeats", "0"],
+     "qerl bench sync: error: argument --repeats: expected an integer >= 1, got 0"),
     (["bench", "rollout", "--concurrency", "16,x"], "qerl bench rollout: error: argument --concurrency: expected"),
     (["train"], "qerl train: error: the following arguments are required: --config"),
     (["bench", "rollout", "--profile", "README.md"],
      "qerl bench rollout: error: argument --profile: README.md is a file, not a folder"),
-    (["bench", "rollout", "--lora-kernel-configs", "/no/such/qerl-folder"],
-     "qerl bench rollout: error: argument --lora-kernel-configs: no such folder: /no/such/qerl-folder"),
+    (["bench", "rollout", "--lora-rank", "8"], "qerl: error: unrecognized arguments: --lora-rank"),
+    (["bench", "rollout", "--shape", "qwen9-400b"], "qerl bench rollout: error: argument --shape: invalid choice"),
 ])
-def test_bad_arguments_are_one_line_errors(args, expected):
-    result = _qerl(*args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
+def test_bad_arguments_are_one_line_errors(args, expected, capsys):
+    code, _, err = _qerl(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), err
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["bench", "rollout", "rollout.lora_kernel_configs=/no/such/qerl-folder"],
+     "rollout.lora_kernel_configs: Value error, no such folder: /no/such/qerl-folder"),
+    (["bench", "sync", "rollout.dtype=float64"], "rollout.dtype: Value error, 'float64' is not one of auto"),
+    (["bench", "learner", "--config", "configs/tiny_cpu.yaml", "learner.base_format=int3"],
+     "learner.base_format: Value error, 'int3' is not one of"),
+    (["bench", "rollout", "--prompt-len", "300"], "exceed the model's context of 256 tokens"),
+])
+def test_bench_takes_the_run_config_and_its_errors(args, expected, capsys):
+    _assert_one_line_error(_qerl(capsys, *args), expected)
+
+
+def test_overrides_may_come_between_flags():
+    from deploy.cli import parse_args
+
+    args = parse_args(["bench", "rollout", "lora.rank=4", "--repeats", "2", "rollout.num_workers=1", "--json", "x"])
+    assert args.overrides == ["lora.rank=4", "rollout.num_workers=1"] and args.repeats == 2 and args.json == "x"

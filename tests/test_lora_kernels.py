@@ -4,16 +4,14 @@ whose files vLLM's own loader reads back."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from rollout_server import lora_kernels
-from rollout_server.lora_kernels import LoraKernelBenchArgs, _merged, bench_lora_kernels, config_files
+from benchmarks import lora_kernels
+from benchmarks.lora_kernels import LoraKernelBenchArgs, _merged, bench_lora_kernels, config_files
+from shared.config import load_config
+from shared.errors import QerlError
 
-ROOT = Path(__file__).parents[1]
 SHRINK_KEY = {"op_type": "shrink", "max_loras": 2, "batch": 64, "hidden_size": 3584, "rank": 32, "num_slices": 3}
 EXPAND_KEY = {"op_type": "expand", "max_loras": 2, "batch": 64, "hidden_size": 18944, "rank": 32, "num_slices": 2,
               "add_inputs": True}
@@ -42,15 +40,13 @@ def test_without_a_gpu_it_is_a_one_line_error():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "lora-kernels", "--model", "tiny"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.strip() == "qerl: error: qerl bench lora-kernels tunes vLLM's CUDA kernels: it needs a CUDA GPU"
+    with pytest.raises(QerlError, match="^qerl bench lora-kernels tunes vLLM's CUDA kernels: it needs a CUDA GPU$"):
+        bench_lora_kernels(load_config(None), LoraKernelBenchArgs())
 
 
 @pytest.mark.gpu
 def test_tuning_writes_files_vllm_reads_back(tmp_path, monkeypatch):
-    from rollout_server.vllm_internals import tuned_lora_config
+    from benchmarks.vllm_lora_kernels import tuned_lora_config
 
     # two candidates each keep the compile time short; the search itself is what is under test
     monkeypatch.setattr(lora_kernels, "SHRINK_GRID", lora_kernels.SHRINK_GRID[:2])
@@ -58,7 +54,7 @@ def test_tuning_writes_files_vllm_reads_back(tmp_path, monkeypatch):
     out = tmp_path / "kernels"
     out.mkdir()
     (out / "unrelated.txt").write_text("kept")
-    report = bench_lora_kernels(LoraKernelBenchArgs(model="tiny", lora_rank=8, tokens=(16, 64), out=str(out)))
+    report = bench_lora_kernels(load_config(None, ["lora.rank=8"]), LoraKernelBenchArgs(tokens=(16, 64), out=str(out)))
     assert (out / "unrelated.txt").read_text() == "kept"
     names = sorted(p.name for p in out.glob("*.json"))
     assert len(names) == 2 and names[0].endswith("_EXPAND_TRUE.json") and names[1].endswith("_SHRINK.json")

@@ -94,7 +94,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
     train)
-      python3 -m shared.model_shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random > /dev/null
+      python3 -m benchmarks.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random > /dev/null
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;

@@ -2,9 +2,8 @@
 
 vLLM launches its LoRA shrink (x @ A) and expand (@ B, added to the output) kernels with
 generic launch configs unless VLLM_TUNED_CONFIG_FOLDER holds configs for the GPU, and it ships
-none. On the H200 an r32 adapter adds about a quarter to a 7B decode step at 64 sequences
-(profiled: 6.08 -> 7.77 ms); these kernels are 1.45 ms of it with vLLM's configs, 1.14 ms
-tuned, and the zero-fills of their buffers 0.1 ms (BENCHMARKS.md, fifth run).
+none. These kernels are most of what an adapter adds to a decode step (the profiled figures
+are in BENCHMARKS.md, fifth run).
 
 For each kernel, LoRA'd linear layer and token count this times a small grid of launch configs
 the way vLLM runs decode (calls captured in one CUDA graph, replayed), drops any candidate whose
@@ -20,12 +19,13 @@ import json
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from shared.bench_utils import environment_facts, print_table, resolve_bench_model, write_json
+from benchmarks.common import environment_facts, print_table, resolve_bench_model, write_json
+from shared.config import QerlConfig
 from shared.errors import QerlError
 
 # Launch configs tried besides vLLM's default: (block_m, block_n, block_k, split_k, num_warps, num_stages).
@@ -55,8 +55,7 @@ def _candidates(op: str) -> list[dict]:
 
 @dataclass(frozen=True)
 class LoraKernelBenchArgs:
-    model: str = "qwen2.5-7b"
-    lora_rank: int = 32
+    shape: str | None = None
     tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 2048, 8192)
     """Tokens per kernel call: decode batch sizes (sequences in flight) and prefill chunks."""
     out: str = "configs/lora-kernels"
@@ -168,7 +167,7 @@ def _merged(old: dict, new: dict) -> dict:
 def write_config_files(results: list[dict], out: Path) -> list[Path]:
     """Merge the winners into the files under `out` (other shapes' entries stay), after
     checking in a scratch folder that vLLM's loader finds every winner."""
-    from rollout_server.vllm_internals import tuned_lora_config
+    from benchmarks.vllm_lora_kernels import tuned_lora_config
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".qerl-lora-kernels-", dir=out) as scratch:
@@ -194,15 +193,17 @@ def write_config_files(results: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def bench_lora_kernels(args: LoraKernelBenchArgs, log=print) -> dict:
+def bench_lora_kernels(config: QerlConfig, args: LoraKernelBenchArgs, log=print) -> dict:
     if not torch.cuda.is_available():
         raise QerlError("qerl bench lora-kernels tunes vLLM's CUDA kernels: it needs a CUDA GPU")
-    from rollout_server.vllm_internals import LoraKernel, check_vllm_version
+    from benchmarks.vllm_lora_kernels import LoraKernel
+    from rollout_server.vllm_internals import check_vllm_version
 
     check_vllm_version()
-    folder, _ = resolve_bench_model(args.model)
+    folder, _ = resolve_bench_model(args.shape, config)
     linears, layers = lora_linears(folder)
-    log(f"[qerl] bench lora-kernels: {args.model}, LoRA r{args.lora_rank}, {torch.cuda.get_device_name()}, "
+    rank = config.lora.rank
+    log(f"[qerl] bench lora-kernels: {folder.name}, LoRA r{rank}, {torch.cuda.get_device_name()}, "
         f"tokens {','.join(map(str, args.tokens))}; {len(SHRINK_GRID)} shrink and {len(EXPAND_GRID)} expand "
         f"candidates each (first compiles take a while)")
     results, by_key, per_step = [], {}, {}
@@ -210,7 +211,7 @@ def bench_lora_kernels(args: LoraKernelBenchArgs, log=print) -> dict:
         default_step = tuned_step = 0.0
         for linear in linears:
             for op in ("shrink", "expand"):
-                kernel = LoraKernel(op, tokens, linear.fan_in, linear.fan_outs, args.lora_rank)
+                kernel = LoraKernel(op, tokens, linear.fan_in, linear.fan_outs, rank)
                 identity = json.dumps(kernel.lookup_key(), sort_keys=True)
                 if identity not in by_key:  # o_proj and down_proj expand into the same shape
                     by_key[identity] = tune_kernel(kernel)
@@ -228,7 +229,7 @@ def bench_lora_kernels(args: LoraKernelBenchArgs, log=print) -> dict:
         log,
     )
     log(f"[qerl] wrote {', '.join(str(p) for p in written)}; use them with rollout.lora_kernel_configs={args.out}")
-    report = {"args": vars(args) | {"tokens": list(args.tokens)}, "layers": layers,
+    report = {"args": asdict(args) | {"tokens": list(args.tokens)}, "lora_rank": rank, "layers": layers,
               "per_step_us": {str(t): v for t, v in per_step.items()}, "kernels": results,
               "files": [str(p) for p in written], "environment": environment_facts()}
     write_json(args.json, report, log)

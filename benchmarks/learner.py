@@ -1,29 +1,42 @@
 """`qerl bench learner`: tokens/s and peak memory of one learner training step, by base format
-(NF4 vs bf16) and micro-batch size, on the same random batch."""
+(NF4 vs bf16) and micro-batch size, on the same random batch; LoRA and learner settings come
+from the config."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.common import (
+    environment_facts,
+    model_label,
+    percentile,
+    print_table,
+    resolve_bench_model,
+    sync_device,
+    write_json,
+)
+from benchmarks.random_base import benchmark_base
+from benchmarks.rollout import sequence_lengths
 from learner.actor import Learner
-from learner.model import benchmark_base
-from shared.bench_utils import environment_facts, percentile, print_table, resolve_bench_model, sync_device, write_json
-from shared.config import LearnerConfig, LoraConfig
+from learner.model import add_lora
+from shared.config import QerlConfig
+from shared.errors import QerlError
+from shared.formats import LEARNER_BASE_FORMATS
 from shared.types import TrainSample
 
 
 @dataclass(frozen=True)
 class LearnerBenchArgs:
-    model: str = "tiny"
+    shape: str | None = None
     formats: tuple[str, ...] = ("nf4", "bf16")
     micro_batches: tuple[int, ...] = (1, 4, 16)
-    prompt_len: int = 256
-    gen_len: int = 512
-    lora_rank: int = 32
+    prompt_len: int | None = None
+    gen_len: int | None = None
     repeats: int = 2
     json: str | None = None
 
@@ -45,9 +58,8 @@ def _peak_memory_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
 
 
-def _export_ms(learner: Learner, dtype: torch.dtype, device: str, repeats: int = 5) -> float:
+def _export_ms(learner: Learner, device: str, repeats: int = 5) -> float:
     """Median time for the learner to turn its LoRA into the rollout payload (engine dtype)."""
-    learner.adapter_dtype = dtype
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         sync_device(device)
@@ -57,32 +69,44 @@ def _export_ms(learner: Learner, dtype: torch.dtype, device: str, repeats: int =
     return percentile(times[1:], 50)
 
 
-def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
-    folder, is_random = resolve_bench_model(args.model)
+def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict:
+    from transformers import AutoConfig
+
+    unknown = [f for f in args.formats if f not in LEARNER_BASE_FORMATS]
+    if unknown:
+        raise QerlError(f"--formats {','.join(unknown)}: the learner holds {', '.join(LEARNER_BASE_FORMATS)}")
+    folder, is_random = resolve_bench_model(args.shape, config)
+    context = AutoConfig.from_pretrained(folder).max_position_embeddings
+    prompt_len, gen_len = sequence_lengths(args.prompt_len, args.gen_len, context)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     compute = torch.bfloat16 if device == "cuda" else torch.float32
+    lora = config.lora
+    log(f"[qerl] bench learner: {model_label(args.shape, folder)}, LoRA r{lora.rank}, prompt {prompt_len}, "
+        f"gen {gen_len}, device {device}")
     rows = []
     for base_format in args.formats:
         base = benchmark_base(folder, is_random, base_format, device, compute)
         vocab = base.config.vocab_size
-        learner = Learner.from_base(base, LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
-                                    LearnerConfig(micro_batch_size=max(args.micro_batches), warmup_steps=0))
-        export_ms = _export_ms(learner, compute, device)
+        learner_config = config.learner.model_copy(update={"micro_batch_size": max(args.micro_batches),
+                                                            "warmup_steps": 0, "mini_batches": 1})
+        learner = Learner(add_lora(base, lora.rank, lora.alpha, lora.target_modules), learner_config, compute)
+        export_ms = _export_ms(learner, device)
         log(f"[qerl]   {base_format} adapter export ({compute}): {export_ms:,.1f} ms")
         for micro_batch in args.micro_batches:
-            samples = _random_samples(micro_batch, args.prompt_len, args.gen_len, vocab)
+            samples = _random_samples(micro_batch, prompt_len, gen_len, vocab)
             learner.train_step(samples, 1.0)  # warm-up: allocator, kernels
             sync_device(device)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
-            for _ in range(args.repeats):
-                learner.train_step(samples, 1.0)
+            stats = [learner.train_step(samples, 1.0) for _ in range(args.repeats)]
             sync_device(device)
             step_s = (time.perf_counter() - started) / args.repeats
-            tokens = micro_batch * (args.prompt_len + args.gen_len)
-            rows.append({"base": base_format, "micro_batch": micro_batch, "tok_per_s": tokens / step_s,
-                         "step_ms": step_s * 1e3, "peak_gib": _peak_memory_gib(device), "export_ms": export_ms})
+            tokens = micro_batch * (prompt_len + gen_len)
+            rows.append({"base": base_format, "micro_batch": micro_batch, "tokens": tokens,
+                         "tok_per_s": tokens / step_s, "step_ms": step_s * 1e3, "peak_gib": _peak_memory_gib(device),
+                         "export_ms": export_ms, "loss_finite": all(math.isfinite(s["learner/loss"]) for s in stats),
+                         "grad_norm": stats[-1]["learner/grad_norm"]})
             log(f"[qerl]   {base_format} micro-batch {micro_batch}: {tokens / step_s:,.0f} tok/s")
         del learner, base
         if device == "cuda":
@@ -90,6 +114,7 @@ def bench_learner(args: LearnerBenchArgs, log=print) -> dict:
     print_table(["base", "micro-batch", "tok/s", "step ms", "peak GiB", "adapter export ms"],
                 [[r["base"], r["micro_batch"], r["tok_per_s"], r["step_ms"], r["peak_gib"], r["export_ms"]]
                  for r in rows], log)
-    result = {"benchmark": "learner", "args": args.__dict__, "environment": environment_facts(), "rows": rows}
+    result = {"benchmark": "learner", "args": asdict(args), "config": config.model_dump(),
+              "environment": environment_facts(), "prompt_len": prompt_len, "gen_len": gen_len, "rows": rows}
     write_json(args.json, result, log)
     return result

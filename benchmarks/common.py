@@ -8,37 +8,39 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import QerlError
-
-# Bytes per weight of the served linear layers, by rollout base format (4-bit: packed + scales).
-LINEAR_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "bitsandbytes": 0.53, "gptq": 0.53}
+from shared.config import QerlConfig
+from shared.formats import BASE_FORMATS
 
 
-def resolve_bench_model(name: str) -> tuple[Path, bool]:
-    """(folder, random weights?) for "tiny", a named shape, or a local model folder."""
-    from shared.model_shapes import is_shape_name, shape_folder
+def resolve_bench_model(shape: str | None, config: QerlConfig) -> tuple[Path, bool]:
+    """(folder, random weights?): a named shape (random weights), else the config's
+    model.path, else the embedded tiny model."""
+    from benchmarks.shapes import shape_folder
+    from learner.model import check_model_folder
     from shared.tiny_model import tiny_model_path
 
-    if name == "tiny":
-        return tiny_model_path(), False
-    if is_shape_name(name):
-        return shape_folder(name), True
-    folder = Path(name)
-    if not (folder / "config.json").is_file():
-        raise QerlError(f"--model {name!r} is neither 'tiny', a known shape, nor a model folder with config.json")
-    return folder, False
+    if shape is not None:
+        return shape_folder(shape), True
+    if config.model.path is not None:
+        return check_model_folder(config.model.path), False
+    return tiny_model_path(), False
+
+
+def model_label(shape: str | None, folder: Path) -> str:
+    return f"{shape} (random weights)" if shape else folder.name
 
 
 def weight_bytes(model_folder: Path, base_format: str) -> float:
     """Bytes one decode step must read: linear layers in `base_format`, the rest in 16/32-bit."""
-    from shared.random_adapter import linear_layer_shapes
     from transformers import AutoConfig
+
+    from benchmarks.random_adapter import linear_layer_shapes
 
     config = AutoConfig.from_pretrained(model_folder)
     linear = sum(fan_in * fan_out for fan_in, fan_out in linear_layer_shapes(model_folder).values())
     embed = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
     other_bytes = 4.0 if base_format == "fp32" else 2.0
-    return linear * LINEAR_BYTES[base_format] + embed * other_bytes
+    return linear * BASE_FORMATS[base_format].linear_bytes + embed * other_bytes
 
 
 def copy_bandwidth(device: str, megabytes: int = 1024, repeats: int = 10) -> float:

@@ -17,7 +17,10 @@ QWEN25_SHAPES: dict[str, dict] = {
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
+SHAPE_NAMES = tuple(QWEN25_SHAPES)
 
 
 def shape_folder(name: str) -> Path:
@@ -36,10 +39,6 @@ def shape_folder(name: str) -> Path:
         )
         config.save_pretrained(folder)
     return folder
-
-
-def is_shape_name(name: str) -> bool:
-    return name in QWEN25_SHAPES
 
 
 def write_random_model(name: str, folder: str | Path, seed: int = 0) -> Path:
@@ -65,5 +64,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m shared.model_shapes SHAPE OUTPUT_FOLDER")
+        sys.exit("usage: python -m benchmarks.shapes SHAPE OUTPUT_FOLDER")
     print(write_random_model(sys.argv[1], sys.argv[2]))

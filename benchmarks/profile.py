@@ -1,5 +1,5 @@
 """Where a rollout's decode time goes: one generate under torch.profiler (`qerl bench rollout
---profile DIR`), for the engine in the worker's own process.
+--profile DIR`), run inside the worker's process with the engine core in it.
 
 It reports, per decode step, the device time by kind of kernel (GEMM, attention, LoRA, ...)
 and how much of the wall time the GPU was busy at all: a step far from its weight-read floor
@@ -52,9 +52,10 @@ def busy_us(intervals: list[tuple[str, float, float]]) -> float:
     return total
 
 
-def profile_generate(generate, steps: int, out_dir: str | Path, log=print) -> dict:
+def profile_generate(generate, steps: int, out_dir: str | Path) -> dict:
     """Run `generate()` under the profiler; write the op table to out_dir/ops.txt and return
-    the summary (device ms per decode step by kind, GPU-busy share of the wall time)."""
+    the summary (device ms per decode step by kind, GPU-busy share of the wall time) with a
+    readable `line`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -82,7 +83,7 @@ def profile_generate(generate, steps: int, out_dir: str | Path, log=print) -> di
         "kernels_per_step": {kind: launches[kind] / steps for kind in sorted(by_kind, key=lambda k: -by_kind[k])},
         "ops_table": str(out / "ops.txt"),
     }
-    log(f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per decode step (wall), "
+    summary["line"] = (f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per decode step (wall), "
         + (f"device busy {summary['device_busy_share']:.0%} of it; device ms per step: "
            + ", ".join(f"{kind} {ms:.2f} ({launches[kind] / steps:.0f} kernels)"
                        for kind, ms in summary["device_ms_per_step"].items())

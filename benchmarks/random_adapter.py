@@ -1,7 +1,8 @@
 """Random LoRA adapters of the right shape for any model folder (benchmarks and tests).
 
 Names follow peft (`base_model.model.<module>.lora_A.weight`), every linear layer but the
-output head, in the dtype asked for (the learner exports the engine's LoRA dtype); B is non-zero so the adapter does real work.
+output head, in the dtype asked for (the learner exports the engine's LoRA dtype); B is
+non-zero so the adapter does real work.
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""The rollout worker as the benchmarks run it: the production `RolloutWorker` in a Ray actor
+(the same process environment and adapter route as training), plus a few measuring methods
+that only benchmarks need."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import ray
+
+from rollout_server.worker import RolloutWorker
+from shared.config import RolloutConfig
+from shared.types import SamplingSettings
+
+
+class BenchWorker(RolloutWorker):
+    def device(self) -> str:
+        return str(self.llm.llm_engine.vllm_config.device_config.device)
+
+    def copy_bandwidth(self) -> float:
+        """Memory bandwidth of the engine's device, measured in this process (bytes/s)."""
+        from benchmarks.common import copy_bandwidth
+
+        return copy_bandwidth(self.device())
+
+    def time_load_phases(self, enabled: bool) -> None:
+        self.llm.collective_rpc("qerl_time_load_phases", args=(enabled,))
+
+    def last_load_phases(self) -> dict[str, float]:
+        """Where the last in-memory load spent its time (ms): copy, build, activate."""
+        return self.llm.collective_rpc("qerl_last_load_phases")[0]
+
+    def profile_generate(self, prompts: list[list[int]], sampling: SamplingSettings, steps: int, out_dir: str) -> dict:
+        """One generate under torch.profiler, in this process (needs the engine in process)."""
+        from benchmarks.profile import profile_generate
+
+        return profile_generate(lambda: self.generate(prompts, sampling), steps, out_dir)
+
+
+def bench_rollout_config(rollout: RolloutConfig, random_weights: bool, max_model_len: int) -> RolloutConfig:
+    """The config's rollout settings, with what the benchmark itself decides: the context its
+    sequences need, and random weights for a shape-only folder."""
+    return rollout.model_copy(update={"max_model_len": max_model_len,
+                                      "load_format": "dummy" if random_weights else "auto"})
+
+
+@contextmanager
+def started_ray(rollout: RolloutConfig) -> Iterator[None]:
+    """A local Ray instance sized for the workers, unless one is running already."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=max(2, math.ceil(rollout.num_workers * rollout.num_cpus_per_worker) + 1), include_dashboard=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
