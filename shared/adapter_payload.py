@@ -1,8 +1,8 @@
 """The in-memory adapter format: safetensors bytes held in a numpy uint8 array.
 
 Why numpy: Ray hands numpy arrays to other actors zero-copy from its shared-memory object
-store, while a Python `bytes` object is pickled and copied at every hop (measured: 0.45-2.9 s
-to put 308 MB of bytes vs 0.14 s as an array). The receiver copies once (into private memory,
+store, while a Python `bytes` object is pickled and copied at every hop (BENCHMARKS.md has the
+figures). The receiver copies once (into private memory,
 or in one host-to-device transfer) and views the tensors in place. (vLLM's multiprocess RPC
 turns arrays into nested lists and is slow with bytes, so a worker whose engine core runs in
 another process hands the payload over as a shared-memory file.)
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+from shared.formats import SAFETENSORS_DTYPES, safetensors_code
+
 _COPY_CHUNK = 8 * 2**20
 COPY_THREADS = min(8, os.cpu_count() or 1)
 
@@ -29,8 +29,8 @@ def copy_in_parallel(target: np.ndarray, source: np.ndarray, threads: int = COPY
     """target[:] = source, in 8 MB chunks on several threads (numpy drops the GIL to copy).
 
     A Ray actor's torch runs on its CPU share (one thread), and a freshly put object's pages
-    fault in as they are first read: staging a 154 MB adapter on the H200 host took 40.9 ms on
-    one thread, 15.7 ms on 8 (`qerl bench sync`'s copy phase, BENCHMARKS.md)."""
+    fault in as they are first read: one thread leaves most of the host's copy bandwidth unused
+    (`qerl bench sync`'s copy phase, BENCHMARKS.md)."""
     if threads <= 1 or source.size <= _COPY_CHUNK:
         np.copyto(target, source)
         return
@@ -51,7 +51,8 @@ def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.n
     header, offset = {}, 0
     for name, tensor in tensors.items():
         size = tensor.numel() * dtype.itemsize
-        header[name] = {"dtype": _NAMES[dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": safetensors_code(dtype), "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # keeps every tensor aligned, as safetensors does
@@ -65,7 +66,7 @@ def encode_adapter(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> np.n
         _pack(tensors, header, data, dtype)
     else:
         # Pack on the GPU, then one device-to-host copy: a copy per tensor waits for the device
-        # each time (H200, 7B r32, 392 tensors: 113 ms per export).
+        # each time (hundreds of tensors for a 7B adapter).
         staged = torch.empty(offset, dtype=torch.uint8, device=next(iter(devices - {torch.device("cpu")})))
         _pack(tensors, header, staged, dtype)
         data.copy_(staged)
@@ -105,7 +106,6 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
         copy_in_parallel(data.numpy(), raw)
     elif staging is not None:
         # pinned staging: a host memcpy plus a full-speed DMA beat one pageable transfer
-        # (H200, 154 MB: 7 ms vs 20 ms)
         host = staging[: raw.size]
         copy_in_parallel(host.numpy(), raw)
         data = host.to(device, non_blocking=True)
@@ -119,12 +119,12 @@ def decode_adapter(payload: np.ndarray | bytes, device: str | torch.device = "cp
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in SAFETENSORS_DTYPES:
             raise ValueError(f"adapter tensor {name} has unsupported dtype {info['dtype']}")
         start, end = info["data_offsets"]
         if not 0 <= start <= end <= raw.size - base:
             raise ValueError(f"adapter payload is not in safetensors format ({name} runs past the end)")
-        tensors[name] = data[base + start : base + end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        tensors[name] = data[base + start : base + end].view(SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
     return tensors
 
 

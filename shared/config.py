@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import QerlError
+from shared.formats import DTYPE_NAMES, ENGINE_QUANTIZATIONS, LEARNER_BASE_FORMATS
 
 
 def existing_folder(value: str) -> str:
@@ -21,6 +22,12 @@ def existing_folder(value: str) -> str:
     if not folder.is_dir():
         raise ValueError(f"no such folder: {value}")
     return str(folder.resolve())
+
+
+def _one_of(value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{value!r} is not one of {', '.join(allowed)}")
+    return value
 
 
 class _Strict(BaseModel):
@@ -49,7 +56,9 @@ class RolloutConfig(_Strict):
     """Group size n: completions per prompt, normalised together for the advantage."""
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: str = "auto"
+    """Engine dtype (shared.formats.DTYPES) or "auto": float32 on CPU workers, bfloat16 on GPU
+    workers (vLLM's LoRA kernels on CUDA take only 16-bit)."""
     max_model_len: int = Field(256, ge=16)
     kv_cache_memory_bytes: int | None = Field(64 * 2**20, ge=2**20)
     """KV cache size per engine; None lets vLLM size it from gpu_memory_utilization."""
@@ -59,14 +68,14 @@ class RolloutConfig(_Strict):
     enforce_eager: bool = True
     """Skip torch.compile/CUDA graphs: right for the tiny CPU model, turn off on GPU for speed."""
     quantization: str | None = None
-    """vLLM quantization method for the served base (e.g. "fp8", "bitsandbytes" on vLLM 0.26);
-    None serves the learner's dequantized base, the exact policy."""
+    """vLLM quantization method for the served base (shared.formats: "fp8", or "bitsandbytes"
+    on vLLM 0.26); None serves the learner's dequantized base, the exact policy."""
     load_format: Literal["auto", "dummy"] = "auto"
     """"dummy": random weights of the right shape (benchmarks only)."""
     request_seeds: bool = True
     """Give every request its own sampling seed, so a completion does not depend on what else
     is in the batch. vLLM then draws each sequence's noise with its own generator, one small
-    kernel per sequence per step; on the H200 that cost nothing measurable (BENCHMARKS.md)."""
+    kernel per sequence per step (its cost: BENCHMARKS.md)."""
     lora_kernel_configs: str | None = None
     """Folder of tuned launch configs for vLLM's LoRA kernels (VLLM_TUNED_CONFIG_FOLDER), as
     `qerl bench lora-kernels` writes them; configs/lora-kernels holds the H200's for the
@@ -80,6 +89,22 @@ class RolloutConfig(_Strict):
     def _existing_folder(cls, value: str | None) -> str | None:
         return None if value is None else existing_folder(value)
 
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        return _one_of(value, ("auto", *DTYPE_NAMES))
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str | None) -> str | None:
+        return None if value is None else _one_of(value, ENGINE_QUANTIZATIONS)
+
+    def engine_dtype(self) -> str:
+        """The dtype the engines run in ("auto" resolved by where the workers run)."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.num_gpus_per_worker > 0 else "float32"
+
 
 class AqnConfig(_Strict):
     enabled: bool = True
@@ -90,8 +115,9 @@ class AqnConfig(_Strict):
 
 
 class LearnerConfig(_Strict):
-    base_format: Literal["nf4", "bf16", "fp32"] = "nf4"
-    """How the learner holds the base: NF4 (bitsandbytes, double quant) or plain LoRA baselines."""
+    base_format: str = "nf4"
+    """How the learner holds the base (shared.formats): NF4 (bitsandbytes, double quant) or the
+    plain-LoRA baselines bf16 and fp32."""
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
     """Linear learning-rate warm-up: Adam's first steps move every LoRA weight by about lr."""
@@ -103,8 +129,17 @@ class LearnerConfig(_Strict):
     """Truncation of the importance weight learner/rollout (off-policy correction)."""
     loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
     micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
+    against the learner's logprobs before the first of them, so the clip bites from the second."""
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
+
+    @field_validator("base_format")
+    @classmethod
+    def _known_base_format(cls, value: str) -> str:
+        return _one_of(value, LEARNER_BASE_FORMATS)
 
 
 class TaskConfig(_Strict):
@@ -148,7 +183,7 @@ class QerlConfig(_Strict):
             raise ValueError("task.path is required for the jsonl task")
         if self.aqn.enabled and self.aqn.sigma_end > self.aqn.sigma_start:
             raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
-        if self.rollout.dtype != "float32" and self.rollout.num_gpus_per_worker == 0:
+        if self.rollout.engine_dtype() != "float32" and self.rollout.num_gpus_per_worker == 0:
             raise ValueError("rollout.dtype other than float32 needs GPU workers")
         if self.rollout.load_format == "dummy":
             raise ValueError("rollout.load_format=dummy (random weights) is for benchmarks, not training")

@@ -32,7 +32,8 @@ def test_overrides_apply_with_yaml_types():
         ("rollout.num_workers=0", "rollout.num_workers: Input should be greater than or equal to 1"),
         ("task.name=jsonl", "task.path is required"),
         ("steps", "not of the form section.key=value"),
-        ("rollout.lora_kernel_configs=/no/such/qerl-folder", "rollout.lora_kernel_configs: Value error, no such folder"),
+        ("rollout.lora_kernel_configs=/no/such/qerl-folder",
+         "rollout.lora_kernel_configs: Value error, no such folder"),
         ("rollout.kv_cache_dtype=int4", "rollout.kv_cache_dtype: Input should be 'auto' or 'fp8'"),
     ],
 )
