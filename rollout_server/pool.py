@@ -1,61 +1,96 @@
-"""RolloutPool: the driver's handle on N RolloutWorker actors.
+"""RolloutPool: the driver's handle on N RolloutWorker actors, and the fleet's state.
 
-It shards prompts across workers, pushes adapter updates (one object-store reference, every
-worker swaps it in from memory) and broadcasts the AQN sigma. Workers are placed by Ray on any
-node with the resources the config asks for.
+The pool holds what every worker must serve: the current adapter (an object-store reference
+and its version) and the AQN sigma with its seed. It shards prompts across workers (`submit`
+returns one pending shard per worker, `collect` gathers them as they finish with `ray.wait`),
+pushes adapter updates (one object-store reference, every worker swaps it in from memory) and
+broadcasts the AQN sigma. Workers are placed by Ray on any node with the resources the config
+asks for.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import ray
 
-from rollout_server.worker import RolloutWorker
+from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
-from shared.types import AdapterUpdate, Completion, SamplingSettings
+from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings
+
+
+@dataclass(frozen=True)
+class PendingShard:
+    """A shard of prompts in flight on one worker; its completions' prompt indices start at
+    `first_prompt` of the whole batch."""
+
+    ref: ray.ObjectRef
+    first_prompt: int
+    worker_index: int
+
+
+@dataclass
+class FleetState:
+    adapter: ray.ObjectRef | None = None
+    adapter_version: int = 0
+    sigma: float = 0.0
+    noise_seed: int = 0
 
 
 class RolloutPool:
-    def __init__(self, model_path: str, config: RolloutConfig, max_lora_rank: int, log=print):
+    def __init__(self, model_path: str, config: RolloutConfig, max_lora_rank: int, log=print,
+                 worker_class: type = RolloutWorker):
         self.model_path = model_path
         self.config = config
         self.max_lora_rank = max_lora_rank
-        actor = ray.remote(RolloutWorker).options(
-            num_cpus=config.num_cpus_per_worker,
-            num_gpus=config.num_gpus_per_worker,
-        )
+        self.state = FleetState()
+        actor = ray.remote(worker_class)
         self.workers = [
-            actor.remote(index, model_path, config, max_lora_rank) for index in range(config.num_workers)
+            actor.options(**worker_actor_options(config, index)).remote(index, model_path, config, max_lora_rank)
+            for index in range(config.num_workers)
         ]
         for info in ray.get([worker.ready.remote() for worker in self.workers]):
             log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s)")
 
+    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
+        """Start generating: one contiguous shard of the prompts per worker."""
+        pending = []
+        for index, (start, stop) in enumerate(_contiguous_shards(len(prompts), len(self.workers))):
+            if stop == start:
+                continue
+            shard_sampling = replace(sampling, seed=sampling.seed + 7919 * index)
+            ref = self.workers[index].generate.remote(prompts[start:stop], shard_sampling)
+            pending.append(PendingShard(ref, start, index))
+        return pending
+
+    def collect(self, pending: list[PendingShard]) -> list[Completion]:
+        """The completions of every pending shard, in prompt order, gathered as shards finish."""
+        by_ref = {shard.ref: shard for shard in pending}
+        finished: dict[int, list[Completion]] = {}
+        waiting = list(by_ref)
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            shard = by_ref[done[0]]
+            finished[shard.first_prompt] = [
+                replace(c, prompt_index=c.prompt_index + shard.first_prompt) for c in ray.get(done[0])
+            ]
+        return [c for first in sorted(finished) for c in finished[first]]
+
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
         """Completions for every prompt, in prompt order, `samples_per_prompt` each."""
-        shards = _contiguous_shards(len(prompts), len(self.workers))
-        pending = [
-            worker.generate.remote(
-                prompts[start:stop],
-                SamplingSettings(
-                    sampling.samples_per_prompt, sampling.temperature, sampling.max_new_tokens,
-                    seed=sampling.seed + 7919 * index,
-                ),
-            )
-            for index, (worker, (start, stop)) in enumerate(zip(self.workers, shards))
-            if stop > start
-        ]
-        starts = [start for start, stop in shards if stop > start]
-        completions = []
-        for start, shard in zip(starts, ray.get(pending)):
-            for completion in shard:
-                completions.append(_shift_prompt_index(completion, start))
-        return completions
+        return self.collect(self.submit(prompts, sampling))
 
     def update_adapter(self, update: AdapterUpdate | ray.ObjectRef) -> list[float]:
         """Every worker swaps in the adapter; returns each worker's load time in ms."""
-        return ray.get([worker.load_adapter.remote(update) for worker in self.workers])
+        ref = update if isinstance(update, ray.ObjectRef) else ray.put(update)
+        loads: list[AdapterLoaded] = ray.get([worker.load_adapter.remote(ref) for worker in self.workers])
+        self.state.adapter, self.state.adapter_version = ref, loads[0].version
+        return [load.load_ms for load in loads]
 
     def set_noise(self, sigma: float, seed: int) -> None:
+        """AQN: every worker draws fresh RMSNorm noise (worker i from seed + i)."""
         ray.get([worker.set_noise.remote(sigma, seed + index) for index, worker in enumerate(self.workers)])
+        self.state.sigma, self.state.noise_seed = sigma, seed
 
     def shutdown(self) -> None:
         ray.get([worker.shutdown.remote() for worker in self.workers])
@@ -72,10 +107,3 @@ def _contiguous_shards(count: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
-
-
-def _shift_prompt_index(completion: Completion, offset: int) -> Completion:
-    from dataclasses import replace
-
-    return replace(completion, prompt_index=completion.prompt_index + offset)
-

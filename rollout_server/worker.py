@@ -8,8 +8,10 @@ All engine internals go through `rollout_server.vllm_internals`.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,44 +20,64 @@ import numpy as np
 
 from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
-from shared.types import AdapterUpdate, Completion, SamplingSettings
+from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings
 
 EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
-# vLLM's start-up chatter would drown the driver's one line per step: errors only, unless the
-# user asks for more with QERL_VLLM_LOG_LEVEL. Set before vLLM is first imported.
-QUIET_ENV = {
-    "VLLM_LOGGING_LEVEL": os.environ.get("QERL_VLLM_LOG_LEVEL", "ERROR"),
-    "TOKENIZERS_PARALLELISM": "false",
-}
+
+
+def worker_env(config: RolloutConfig, worker_id: int) -> dict[str, str]:
+    """The environment a worker's process needs before vLLM is first imported; it reaches the
+    actor through Ray's runtime_env, so nothing is set as a side effect in the driver."""
+    env = {
+        # vLLM's start-up chatter would drown the driver's one line per step: errors only,
+        # unless the user asks for more with QERL_VLLM_LOG_LEVEL.
+        "VLLM_LOGGING_LEVEL": os.environ.get("QERL_VLLM_LOG_LEVEL", "ERROR"),
+        "TOKENIZERS_PARALLELISM": "false",
+        # vLLM's ZMQ sockets go to a private folder (they pile up in /tmp otherwise); the
+        # worker creates it and removes it at shutdown.
+        "VLLM_RPC_BASE_PATH": os.path.join(tempfile.gettempdir(), f"qerl-vllm-rpc-w{worker_id}-{uuid.uuid4().hex[:8]}"),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # the adapter payload array through collective_rpc
+    }
+    if config.in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:  # a forked engine core cannot use CUDA once this process has touched it
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if config.lora_kernel_configs:  # read by vLLM's LoRA ops at their first launch
+        env["VLLM_TUNED_CONFIG_FOLDER"] = config.lora_kernel_configs
+    return env
+
+
+def worker_actor_options(config: RolloutConfig, worker_id: int) -> dict:
+    """Ray actor options for worker `worker_id`: its resources and its process environment."""
+    return {
+        "num_cpus": config.num_cpus_per_worker,
+        "num_gpus": config.num_gpus_per_worker,
+        "runtime_env": {"env_vars": worker_env(config, worker_id)},
+    }
 
 
 class RolloutWorker:
+    """Create it as a Ray actor with `worker_actor_options`: vLLM reads that environment."""
+
     def __init__(self, worker_id: int, model_path: str, config: RolloutConfig, max_lora_rank: int):
+        from rollout_server.vllm_internals import check_vllm_version
+
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet
         self.sigma = 0.0
         self.in_process = config.in_process
         self.request_seeds = config.request_seeds
-        for key, value in QUIET_ENV.items():
-            os.environ.setdefault(key, value)
+        self.rpc_folder = os.environ.get("VLLM_RPC_BASE_PATH")
+        if self.rpc_folder:
+            os.makedirs(self.rpc_folder, exist_ok=True)
         warnings.filterwarnings("ignore", category=FutureWarning)
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="qerl-vllm-rpc-"))
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        if config.lora_kernel_configs:  # read by vLLM's LoRA ops at their first launch
-            os.environ["VLLM_TUNED_CONFIG_FOLDER"] = config.lora_kernel_configs
-        if config.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        else:  # a forked engine core cannot use CUDA once this process has touched it
-            os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm import LLM
-
-        from rollout_server.vllm_internals import check_vllm_version
 
         check_vllm_version()
         started = time.perf_counter()
         self.llm = LLM(
             model=model_path,
-            dtype=config.dtype,
+            dtype=config.engine_dtype(),
             max_model_len=config.max_model_len,
             enable_lora=True,
             max_lora_rank=_vllm_rank(max_lora_rank),
@@ -72,6 +94,7 @@ class RolloutWorker:
             skip_tokenizer_init=config.load_format == "dummy",  # shape-only folders have no tokenizer
             seed=worker_id,
         )
+        self.llm.collective_rpc("qerl_init")
         self.start_s = time.perf_counter() - started
 
     def ready(self) -> dict:
@@ -115,22 +138,18 @@ class RolloutWorker:
             for sample in output.outputs
         ]
 
-    def load_adapter(self, update: AdapterUpdate) -> float:
-        """Swap in `update` from memory; returns the milliseconds it took."""
+    def load_adapter(self, update: AdapterUpdate) -> AdapterLoaded:
+        """Swap in `update` from memory; returns its version and the milliseconds it took."""
         started = time.perf_counter()
         if self.in_process:  # the array goes straight to the engine's worker
             self.llm.collective_rpc("qerl_add_adapter", args=(update.version, update.payload, update.peft_config))
         else:
-            # To an engine core in another process the payload goes as a shared-memory file:
-            # as bytes through vLLM's RPC a push took 404 ms, this way 199 ms (CPU, 0.5B r32, 67 MB).
+            # To an engine core in another process the payload goes as a shared-memory file: as
+            # bytes through vLLM's RPC a push took twice as long (BENCHMARKS.md).
             with shared_memory_file(update.payload, f"qerl-adapter-w{self.worker_id}-") as path:
                 self.llm.collective_rpc("qerl_add_adapter_file", args=(update.version, path, update.peft_config))
         self.adapter_version = update.version
-        return (time.perf_counter() - started) * 1e3
-
-    def last_load_phases(self) -> dict[str, float]:
-        """Where the last in-memory load spent its time (ms): copy, build, activate."""
-        return self.llm.collective_rpc("qerl_last_load_phases")[0]
+        return AdapterLoaded(update.version, (time.perf_counter() - started) * 1e3)
 
     def load_adapter_from_disk(self, folder: str, version: int) -> float:
         """The disk route (a peft folder through vLLM's public add_lora), for comparison."""
@@ -158,6 +177,8 @@ class RolloutWorker:
         from rollout_server.vllm_internals import shutdown_engine
 
         shutdown_engine(self.llm)
+        if self.rpc_folder:
+            shutil.rmtree(self.rpc_folder, ignore_errors=True)
 
 
 @contextmanager

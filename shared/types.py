@@ -42,6 +42,14 @@ class AdapterUpdate:
 
 
 @dataclass(frozen=True)
+class AdapterLoaded:
+    """A worker's answer to an adapter push."""
+
+    version: int
+    load_ms: float
+
+
+@dataclass(frozen=True)
 class TrainSample:
     """What the learner needs of one completion."""
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import ray
 
-from learner.actor import Learner
-from rollout_server.worker import RolloutWorker
+from learner.actor import LearnerSpec, build_learner
+from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import LearnerConfig, LoraConfig, RolloutConfig
 from shared.types import SamplingSettings, TrainSample
 
@@ -31,17 +31,19 @@ def device(request) -> str:
 
 @pytest.fixture(scope="module")
 def learner(tiny_model, tmp_path_factory, device):
-    return Learner(
+    return build_learner(LearnerSpec(
         str(tiny_model), LoraConfig(rank=8, alpha=16), LearnerConfig(lr=1e-2, warmup_steps=0),
         str(tmp_path_factory.mktemp("run")), rollout_dtype=DTYPE[device], seed=0, device=device,
-    )
+    ))
 
 
 @pytest.fixture(scope="module")
 def worker(ray_local, learner, device):
     gpus = 0.5 if device == "cuda" else 0
-    config = RolloutConfig(num_gpus_per_worker=gpus, gpu_memory_utilization=0.3, dtype=DTYPE[device])
-    actor = ray.remote(RolloutWorker).options(num_cpus=1, num_gpus=gpus).remote(0, learner.rollout_base(), config, 8)
+    config = RolloutConfig(num_cpus_per_worker=1, num_gpus_per_worker=gpus, gpu_memory_utilization=0.3,
+                           dtype=DTYPE[device])
+    actor = ray.remote(RolloutWorker).options(**worker_actor_options(config, 0)).remote(
+        0, learner.rollout_base(), config, 8)
     ray.get(actor.ready.remote())
     yield actor
     ray.get(actor.shutdown.remote())
@@ -86,8 +88,8 @@ def test_adapter_push_from_memory_changes_outputs_and_version(worker, learner, p
         learner.train_step(samples, SAMPLING.temperature)
     update = learner.export_adapter()
     assert update.version == 3
-    load_ms = ray.get(worker.load_adapter.remote(ray.put(update)))
-    assert load_ms > 0
+    loaded = ray.get(worker.load_adapter.remote(ray.put(update)))
+    assert loaded.version == 3 and loaded.load_ms > 0
     assert ray.get(worker.loaded_adapters.remote()) == [3]
 
     after = _generate(worker, prompt_ids)
@@ -133,13 +135,12 @@ def test_bad_adapter_is_rejected_and_worker_keeps_serving(worker, learner, promp
 def test_multiprocess_engine_takes_adapters_from_memory_and_noise(ray_local, tiny_model, prompt_ids):
     """The GPU recipe runs the engine core in its own process (rollout.in_process=false): the
     adapter and the AQN call must cross that process boundary too."""
-    from shared.random_adapter import random_adapter
+    from benchmarks.random_adapter import random_adapter
 
-    actor = ray.remote(RolloutWorker).options(num_cpus=1).remote(
-        1, str(tiny_model), RolloutConfig(in_process=False), 8
-    )
+    config = RolloutConfig(in_process=False, num_cpus_per_worker=1)
+    actor = ray.remote(RolloutWorker).options(**worker_actor_options(config, 1)).remote(1, str(tiny_model), config, 8)
     try:
-        assert ray.get(actor.load_adapter.remote(random_adapter(tiny_model, 8, version=5))) > 0
+        assert ray.get(actor.load_adapter.remote(random_adapter(tiny_model, 8, version=5))).version == 5
         assert ray.get(actor.loaded_adapters.remote()) == [5]
         completions = ray.get(actor.generate.remote(prompt_ids, SAMPLING))
         assert completions and all(c.adapter_version == 5 for c in completions)
