@@ -1,9 +1,10 @@
 """`qerl train`: the QeRL loop, one plain function that reads top to bottom.
 
-Each step: AQN sigma -> rollout workers (vLLM, current adapter, noised RMSNorm) sample n
-completions per prompt -> task rewards -> group-normalised advantages -> one learner step
-(NF4 base + LoRA, truncated importance weights against the rollout logprobs) -> the new
-adapter goes through the object store into every worker, from memory.
+Each step, in named parts: `collect` (AQN sigma -> rollout workers, vLLM with the current
+adapter and noised RMSNorm, sample n completions per prompt) -> `score` (task rewards,
+group-normalised advantages) -> `learn` (the learner's optimizer steps: NF4 base + LoRA,
+truncated importance weights against the rollout logprobs) -> `sync` (the new adapter through
+the object store into every worker, from memory) -> `step_record` (one metrics line).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import yaml
 
 from deploy.ray_cluster import connect_ray
-from learner.actor import Learner
+from learner.actor import LearnerActor, LearnerSpec
 from learner.losses import group_advantages
 from learner.model import check_model_folder
 from rollout_server.pool import RolloutPool
@@ -27,8 +28,8 @@ from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
 from shared.errors import QerlError
 from shared.metrics import MetricsWriter, format_step_line, read_metrics, reward_trend_line
-from shared.tasks import Task, build_task
-from shared.types import SamplingSettings, TrainSample
+from shared.tasks import Problem, Task, build_task
+from shared.types import Completion, SamplingSettings, TrainSample
 
 
 def resolve_model_path(config: QerlConfig, log=print) -> str:
@@ -77,10 +78,11 @@ def start_run(config: QerlConfig, log=print) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started_ray = connect_ray(config)
     try:
-        learner = ray.remote(Learner).options(num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus).remote(
-            model_path, config.lora, config.learner, str(run_dir), config.rollout.dtype, config.train.seed,
-            "cuda" if config.learner.num_gpus > 0 else "cpu",
-        )
+        spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.rollout.engine_dtype(),
+                           config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")
+        learner = ray.remote(LearnerActor).options(
+            num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus
+        ).remote(spec)
         pool = RolloutPool(ray.get(learner.rollout_base.remote()), config.rollout, config.lora.rank, log=log)
     except BaseException:
         if started_ray:
@@ -104,59 +106,99 @@ def train(config: QerlConfig, log=print) -> dict:
         run.close()
 
 
+@dataclass
+class Rollouts:
+    """One step's sampled batch: the problems, their prompt ids and every completion."""
+
+    problems: list[Problem]
+    prompt_ids: list[list[int]]
+    completions: list[Completion]
+    sigma: float
+    seconds: float
+
+
+@dataclass
+class Scored:
+    rewards: torch.Tensor
+    """[prompts * n], in completion order."""
+    samples: list[TrainSample]
+
+
+def collect(run: Run, step: int, rng: Random) -> Rollouts:
+    """Set this step's AQN noise, sample prompts and generate n completions for each."""
+    config = run.config
+    sigma = aqn_sigma(config.aqn, step, config.train.steps)
+    run.pool.set_noise(sigma, seed=config.train.seed * 1_000_003 + step)
+    problems = run.task.sample(rng, config.train.prompts_per_step)
+    prompt_ids = run.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    sampling = SamplingSettings(config.rollout.samples_per_prompt, config.rollout.temperature,
+                                config.rollout.max_new_tokens, seed=config.train.seed * 1_000_003 + step * 101)
+    started = time.perf_counter()
+    completions = run.pool.generate(prompt_ids, sampling)
+    return Rollouts(problems, prompt_ids, completions, sigma, time.perf_counter() - started)
+
+
+def score(run: Run, rollouts: Rollouts) -> Scored:
+    """Task rewards, group-normalised advantages and the learner's samples."""
+    texts = run.tokenizer.batch_decode([c.token_ids for c in rollouts.completions], skip_special_tokens=True)
+    problems = rollouts.problems
+    rewards = torch.tensor([run.task.reward(problems[c.prompt_index], t) for c, t in zip(rollouts.completions, texts)])
+    advantages = group_advantages(rewards.view(len(problems), run.config.rollout.samples_per_prompt)).flatten()
+    samples = [
+        TrainSample(rollouts.prompt_ids[c.prompt_index], c.token_ids, c.logprobs, float(a))
+        for c, a in zip(rollouts.completions, advantages)
+    ]
+    return Scored(rewards, samples)
+
+
+def learn(run: Run, scored: Scored) -> dict[str, float]:
+    return ray.get(run.learner.train_step.remote(scored.samples, run.config.rollout.temperature))
+
+
+def sync(run: Run) -> dict[str, float]:
+    """The learner's new adapter into every worker, from memory."""
+    started = time.perf_counter()
+    worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote())
+    return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3, "sync/worker_load_ms_max": max(worker_ms)}
+
+
+def step_record(step: int, rollouts: Rollouts, scored: Scored, learner_stats: dict, sync_stats: dict,
+                step_s: float, n: int) -> dict:
+    completions, rewards = rollouts.completions, scored.rewards
+    generated = sum(len(c.token_ids) for c in completions)
+    return {
+        "step": step,
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
+        "rollout/pass_at_n": (rewards.view(-1, n).max(1).values >= 1.0).float().mean().item(),
+        "rollout/tokens": generated,
+        "rollout/tok_per_s": generated / rollouts.seconds,
+        "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "aqn/sigma": rollouts.sigma,
+        **sync_stats,
+        "adapter/version": completions[0].adapter_version,
+        **learner_stats,
+        "time/rollout_s": rollouts.seconds,
+        "time/step_s": step_s,
+    }
+
+
 def train_loop(run: Run, log=print) -> dict:
-    config, task, tokenizer, learner, pool = run.config, run.task, run.tokenizer, run.learner, run.pool
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl")
-    rng = Random(config.train.seed)
-    n = config.rollout.samples_per_prompt
+    rng = Random(run.config.train.seed)
     record: dict = {}
     try:
-        for step in range(config.train.steps):
-            step_started = time.perf_counter()
-            sigma = aqn_sigma(config.aqn, step, config.train.steps)
-            pool.set_noise(sigma, seed=config.train.seed * 1_000_003 + step)
-
-            problems = task.sample(rng, config.train.prompts_per_step)
-            prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-            sampling = SamplingSettings(n, config.rollout.temperature, config.rollout.max_new_tokens,
-                                        seed=config.train.seed * 1_000_003 + step * 101)
-            rollout_started = time.perf_counter()
-            completions = pool.generate(prompt_ids, sampling)
-            rollout_s = time.perf_counter() - rollout_started
-
-            texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-            rewards = torch.tensor([task.reward(problems[c.prompt_index], t) for c, t in zip(completions, texts)])
-            advantages = group_advantages(rewards.view(len(problems), n)).flatten()
-            samples = [
-                TrainSample(prompt_ids[c.prompt_index], c.token_ids, c.logprobs, float(a))
-                for c, a in zip(completions, advantages)
-            ]
-            learner_stats = ray.get(learner.train_step.remote(samples, config.rollout.temperature))
-
-            sync_started = time.perf_counter()
-            worker_ms = pool.update_adapter(learner.export_adapter.remote())
-            sync_ms = (time.perf_counter() - sync_started) * 1e3
-
-            generated = sum(len(c.token_ids) for c in completions)
-            record = {
-                "step": step,
-                "rollout/reward_mean": rewards.mean().item(),
-                "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
-                "rollout/pass_at_n": (rewards.view(len(problems), n).max(1).values >= 1.0).float().mean().item(),
-                "rollout/tokens": generated,
-                "rollout/tok_per_s": generated / rollout_s,
-                "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-                "aqn/sigma": sigma,
-                "sync/adapter_ms": sync_ms,
-                "sync/worker_load_ms_max": max(worker_ms),
-                "adapter/version": completions[0].adapter_version,
-                **learner_stats,
-                "time/rollout_s": rollout_s,
-                "time/step_s": time.perf_counter() - step_started,
-            }
+        for step in range(run.config.train.steps):
+            started = time.perf_counter()
+            rollouts = collect(run, step, rng)
+            scored = score(run, rollouts)
+            learner_stats = learn(run, scored)
+            sync_stats = sync(run)
+            record = step_record(step, rollouts, scored, learner_stats, sync_stats, time.perf_counter() - started,
+                                 run.config.rollout.samples_per_prompt)
             metrics.write(record)
             log(format_step_line(record))
-        final_adapter = ray.get(learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
+        final_adapter = ray.get(run.learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
     finally:
         metrics.close()
     log(reward_trend_line(read_metrics(metrics.path)))

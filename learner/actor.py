@@ -1,113 +1,137 @@
-"""The Learner: one process holding the base (NF4 by default) with a peft LoRA and its optimizer.
+"""The Learner: the base (NF4 by default) with a peft LoRA, its optimizer and schedule.
 
-Used as a Ray actor by the driver; a plain class so tests can also use it in-process.
+`build_learner(spec)` loads the base, writes the base the rollout engines serve and adds the
+LoRA; `LearnerActor` does the same inside a Ray actor's process. `Learner` itself takes an
+already built peft model, so benchmarks and tests can hand it any base.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from learner.logprobs import completion_logprobs
-from learner.losses import aggregate, policy_loss_terms
+from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.model import add_lora, export_rollout_base, load_base
 from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig
+from shared.formats import dtype_of
 from shared.types import AdapterUpdate, TrainSample
 
-_ROLLOUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """Everything a learner process needs to build itself (it travels to the Ray actor)."""
+
+    model_path: str
+    lora: LoraConfig
+    config: LearnerConfig
+    run_dir: str
+    rollout_dtype: str = "float32"
+    """The engines' dtype (shared.formats): the rollout base and the adapter are written in it."""
+    seed: int = 0
+    device: str = "cpu"
+
+
+def load_policy(spec: LearnerSpec) -> tuple[torch.nn.Module, str]:
+    """The peft model (frozen base + fresh LoRA) and the folder of the base the engines serve."""
+    torch.manual_seed(spec.seed)
+    dtype = dtype_of(spec.rollout_dtype)
+    base = load_base(spec.model_path, spec.config.base_format, spec.device, compute_dtype=dtype)
+    rollout_base = export_rollout_base(base, spec.model_path, Path(spec.run_dir) / "rollout_base", dtype)
+    return add_lora(base, spec.lora.rank, spec.lora.alpha, spec.lora.target_modules), str(rollout_base)
 
 
 class Learner:
-    def __init__(
-        self,
-        model_path: str,
-        lora: LoraConfig,
-        config: LearnerConfig,
-        run_dir: str,
-        rollout_dtype: str = "float32",
-        seed: int = 0,
-        device: str = "cpu",
-    ):
-        torch.manual_seed(seed)
-        base = load_base(model_path, config.base_format, device, compute_dtype=_ROLLOUT_DTYPES[rollout_dtype])
-        self.rollout_base_path = str(
-            export_rollout_base(base, model_path, Path(run_dir) / "rollout_base", _ROLLOUT_DTYPES[rollout_dtype])
-        )
-        self._attach_lora(base, lora, config)
-        self.adapter_dtype = _ROLLOUT_DTYPES[rollout_dtype]
-
-    @classmethod
-    def from_base(cls, base, lora: LoraConfig, config: LearnerConfig) -> Learner:
-        """A learner around an already built base (benchmarks with random weights)."""
-        learner = cls.__new__(cls)
-        learner.rollout_base_path = None
-        learner.adapter_dtype = torch.float32
-        learner._attach_lora(base, lora, config)
-        return learner
-
-    def _attach_lora(self, base, lora: LoraConfig, config: LearnerConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: LearnerConfig, adapter_dtype: torch.dtype,
+                 rollout_base_path: str | None = None):
+        self.model = model
         self.config = config
-        self.pad_id = base.config.pad_token_id or 0
-        self.model = add_lora(base, lora.rank, lora.alpha, lora.target_modules)
-        self.lora_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.adapter_dtype = adapter_dtype
+        self.rollout_base_path = rollout_base_path
+        self.pad_id = model.config.pad_token_id or 0
+        self.lora_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / (config.warmup_steps + 1))
         )
         self.version = 0
 
-    def rollout_base(self) -> str:
+    def rollout_base(self) -> str | None:
         return self.rollout_base_path
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
-        """One optimizer step over `samples`, in micro-batches; returns flat metrics."""
+        """`learner.mini_batches` optimizer steps over `samples` (each in micro-batches), then one
+        LR-schedule step; returns flat metrics."""
         started = time.perf_counter()
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        total_seqs = len(samples)
-        total_tokens = sum(len(s.completion_ids) for s in samples)
-        sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "tis": 0.0, "clipped": 0.0, "max_diff": 0.0}
-        for first in range(0, total_seqs, self.config.micro_batch_size):
-            chunk = samples[first : first + self.config.micro_batch_size]
-            scores = completion_logprobs(
-                self.model, [(s.prompt_ids, s.completion_ids) for s in chunk], temperature, self.pad_id
-            )
-            rollout = _padded([s.rollout_logprobs for s in chunk], scores.mask.shape).to(scores.mask.device)
-            advantages = torch.tensor([s.advantage for s in chunk], device=scores.mask.device)
-            old = scores.logprobs.detach()
-            per_token, weight, clipped = policy_loss_terms(
-                scores.logprobs, old, rollout, advantages, self.config.clip_eps, self.config.tis_cap
-            )
-            loss = aggregate(per_token, scores.mask, self.config.loss_agg, total_seqs, total_tokens)
-            loss.backward()
-            mask = scores.mask
-            log_ratio = old - rollout  # log pi_learner / pi_rollout on rollout samples
-            sums["loss"] += loss.item()
-            sums["entropy"] += (scores.entropy * mask).sum().item()
-            sums["kl"] += (((log_ratio.exp() - 1) - log_ratio) * mask).sum().item()
-            sums["tis"] += (weight * mask).sum().item()
-            sums["clipped"] += (clipped * mask).sum().item()
-            sums["max_diff"] = max(sums["max_diff"], (log_ratio.abs() * mask).max().item())
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip)
-        self.optimizer.step()
+        old = None if self.config.mini_batches == 1 else self._old_logprobs(samples, temperature)
+        sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "tis": 0.0, "clipped": 0.0, "max_diff": 0.0, "grad_norm": 0.0}
+        slices = _split(list(range(len(samples))), self.config.mini_batches)
+        for indices in slices:
+            self.optimizer.zero_grad(set_to_none=True)
+            old_slice = None if old is None else [old[i] for i in indices]
+            self._accumulate_gradients([samples[i] for i in indices], old_slice, temperature, sums)
+            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
+            self.optimizer.step()
         self.scheduler.step()
         self.version += 1
-        tokens = max(total_tokens, 1)
+        tokens = max(sum(len(s.completion_ids) for s in samples), 1)
         return {
-            "learner/loss": sums["loss"],
+            "learner/loss": sums["loss"] / len(slices),
             "learner/entropy": sums["entropy"] / tokens,
-            "learner/grad_norm": float(grad_norm),
+            "learner/grad_norm": sums["grad_norm"] / len(slices),
             "learner/tis_weight_mean": sums["tis"] / tokens,
             "learner/clip_frac": sums["clipped"] / tokens,
-            "learner/tokens": float(total_tokens),
+            "learner/tokens": float(tokens),
             "learner/step_ms": (time.perf_counter() - started) * 1e3,
             "mismatch/kl": sums["kl"] / tokens,
             "mismatch/max_abs_logprob_diff": sums["max_diff"],
         }
+
+    def _old_logprobs(self, samples: list[TrainSample], temperature: float) -> list[torch.Tensor]:
+        """Each sample's logprobs before the first optimizer step (the PPO ratio's reference)."""
+        rows = []
+        with torch.no_grad():
+            for first in range(0, len(samples), self.config.micro_batch_size):
+                chunk = samples[first : first + self.config.micro_batch_size]
+                scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
+                rows += [row[: len(s.completion_ids)] for row, s in zip(scores.logprobs, chunk)]
+        return rows
+
+    def _accumulate_gradients(self, samples: list[TrainSample], old: list[torch.Tensor] | None,
+                              temperature: float, sums: dict[str, float]) -> None:
+        """Backward over `samples` in micro-batches; the loss is normalised over all of them."""
+        total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
+        for first in range(0, total_seqs, self.config.micro_batch_size):
+            chunk = samples[first : first + self.config.micro_batch_size]
+            scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
+            mask, device = scores.mask, scores.mask.device
+            if old is None:  # one optimizer step per batch: the pre-update logprobs are these very values
+                old_chunk = scores.logprobs.detach()
+            else:
+                old_chunk = _padded(old[first : first + len(chunk)], mask.shape)
+            inputs = PolicyLossInputs(
+                logprobs=scores.logprobs,
+                old_logprobs=old_chunk.to(device),
+                rollout_logprobs=_padded([s.rollout_logprobs for s in chunk], mask.shape).to(device),
+                advantages=torch.tensor([s.advantage for s in chunk], device=device),
+            )
+            terms = policy_loss_terms(inputs, self.config.clip_eps, self.config.tis_cap)
+            loss = aggregate(terms.per_token, mask, self.config.loss_agg, total_seqs, total_tokens)
+            loss.backward()
+            log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
+            sums["loss"] += loss.item()
+            sums["entropy"] += (scores.entropy * mask).sum().item()
+            sums["kl"] += (((log_ratio.exp() - 1) - log_ratio) * mask).sum().item()
+            sums["tis"] += (terms.tis_weight * mask).sum().item()
+            sums["clipped"] += (terms.clipped * mask).sum().item()
+            sums["max_diff"] = max(sums["max_diff"], (log_ratio.abs() * mask).max().item())
 
     @torch.no_grad()
     def logprobs(self, pairs: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
@@ -124,11 +148,32 @@ class Learner:
     def peft_config(self) -> dict:
         """adapter_config.json as a JSON-safe dict (peft keeps target_modules as a set)."""
         config = self.model.peft_config["default"].to_dict()
-        return json.loads(json.dumps(config, default=lambda value: sorted(value) if isinstance(value, set) else str(value)))
+        return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
     def save_adapter(self, folder: str) -> str:
         self.model.save_pretrained(folder)
         return folder
+
+    def state_dict(self) -> dict:
+        """What resuming needs: LoRA tensors, optimizer and LR-schedule state, adapter version.
+        A copy: the optimizer's own state_dict refers to tensors its next step updates in place."""
+        return {
+            "lora": {name: tensor.clone() for name, tensor in lora_state_dict(self.model).items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "version": self.version,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(zip(lora_state_dict(self.model), self.lora_params))
+        if params.keys() != state["lora"].keys():
+            raise ValueError("learner state holds other LoRA tensors than this model (another model or rank?)")
+        with torch.no_grad():
+            for name, tensor in state["lora"].items():
+                params[name].copy_(tensor)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
 
     def parameters_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of the LoRA parameters and of the (packed) base weights, for tests."""
@@ -136,6 +181,19 @@ class Learner:
         for name, param in self.model.named_parameters():
             (lora if param.requires_grad else base)[name] = param.detach().cpu().clone()
         return {"lora": lora, "base": base}
+
+
+def build_learner(spec: LearnerSpec) -> Learner:
+    model, rollout_base = load_policy(spec)
+    return Learner(model, spec.config, dtype_of(spec.rollout_dtype), rollout_base)
+
+
+class LearnerActor(Learner):
+    """The Ray actor: builds its model in its own process (a model does not travel)."""
+
+    def __init__(self, spec: LearnerSpec):
+        model, rollout_base = load_policy(spec)
+        super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), rollout_base)
 
 
 def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
@@ -149,8 +207,24 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
     }
 
 
-def _padded(rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
+def _pairs(samples: list[TrainSample]) -> list[tuple[list[int], list[int]]]:
+    return [(s.prompt_ids, s.completion_ids) for s in samples]
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """`items` in `parts` contiguous slices of near-equal size (none empty)."""
+    parts = min(parts, len(items)) or 1
+    size, extra = divmod(len(items), parts)
+    slices, start = [], 0
+    for index in range(parts):
+        stop = start + size + (1 if index < extra else 0)
+        slices.append(items[start:stop])
+        start = stop
+    return slices
+
+
+def _padded(rows: list, shape: torch.Size) -> torch.Tensor:
     out = torch.zeros(shape)
     for index, row in enumerate(rows):
-        out[index, : len(row)] = torch.tensor(row)
+        out[index, : len(row)] = torch.as_tensor(row, dtype=torch.float32)
     return out

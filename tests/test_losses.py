@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.losses import aggregate, group_advantages, policy_loss_terms
+from learner.losses import PolicyLossInputs, aggregate, group_advantages, policy_loss_terms
 
 
 def test_group_advantages_by_hand():
@@ -24,27 +24,27 @@ def test_policy_loss_terms_by_hand():
     logprobs = torch.tensor([[math.log(0.5), math.log(0.9)]])
     old = torch.tensor([[math.log(0.4), math.log(0.9)]])
     rollout = torch.tensor([[math.log(0.1), math.log(0.8)]])
-    per_token, weight, clipped = policy_loss_terms(logprobs, old, rollout, torch.tensor([2.0]), 0.2, 2.0)
+    terms = policy_loss_terms(PolicyLossInputs(logprobs, old, rollout, torch.tensor([2.0])), 0.2, 2.0)
     # token 1: ratio 1.25 clipped to 1.2 (A > 0); weight 0.4/0.1 = 4 truncated to 2
     # token 2: ratio 1; weight 0.9/0.8 = 1.125
-    assert weight[0].tolist() == pytest.approx([2.0, 1.125])
-    assert per_token[0].tolist() == pytest.approx([-2.0 * 1.2 * 2.0, -1.125 * 1.0 * 2.0])
-    assert clipped.tolist() == [[1.0, 0.0]]
+    assert terms.tis_weight[0].tolist() == pytest.approx([2.0, 1.125])
+    assert terms.per_token[0].tolist() == pytest.approx([-2.0 * 1.2 * 2.0, -1.125 * 1.0 * 2.0])
+    assert terms.clipped.tolist() == [[1.0, 0.0]]
 
 
 def test_negative_advantage_clips_on_the_low_side():
     logprobs = torch.tensor([[math.log(0.3)]])
     old = torch.tensor([[math.log(0.5)]])
-    per_token, _, clipped = policy_loss_terms(logprobs, old, old, torch.tensor([-1.0]), 0.2, 2.0)
+    terms = policy_loss_terms(PolicyLossInputs(logprobs, old, old, torch.tensor([-1.0])), 0.2, 2.0)
     # ratio 0.6: min(0.6 * -1, 0.8 * -1) = -0.8 -> loss 0.8
-    assert per_token.item() == pytest.approx(0.8)
-    assert clipped.item() == 1.0
+    assert terms.per_token.item() == pytest.approx(0.8)
+    assert terms.clipped.item() == 1.0
 
 
 def test_gradient_raises_logprob_of_positive_advantage():
     logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
-    per_token, _, _ = policy_loss_terms(logprobs, logprobs.detach(), logprobs.detach(), torch.tensor([1.0]), 0.2, 2.0)
-    per_token.sum().backward()
+    inputs = PolicyLossInputs(logprobs, logprobs.detach(), logprobs.detach(), torch.tensor([1.0]))
+    policy_loss_terms(inputs, 0.2, 2.0).per_token.sum().backward()
     assert (logprobs.grad < 0).all()  # descending the loss increases these logprobs
 
 
