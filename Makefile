@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/qerl train --config configs/tiny_cpu.yaml train.overwrite=true
 
-# pytest exits 5 when it collects nothing: for this suite that means something is broken.
+# Lint first (ruff: errors and import order). pytest exits 5 when it collects nothing: for this
+# suite that means something is broken.
 test: setup
+	$(BIN)/ruff check .
 	@$(BIN)/python -m pytest -q -rs; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status

@@ -30,12 +30,14 @@ def finished_run(tiny_model, ray_local, tmp_path_factory):
     rng = Random(7)
     problems = [make_addition_problem(rng, 2) for _ in range(PROBLEMS)]
     dataset = folder / "sums.jsonl"
-    dataset.write_text("".join(json.dumps({"question": p.prompt, "answer": f"#### {p.answer}"}) + "\n" for p in problems))
+    lines = [json.dumps({"question": p.prompt, "answer": f"#### {p.answer}"}) + "\n" for p in problems]
+    dataset.write_text("".join(lines))
     config = load_config(
         None,
         [
             "task.name=jsonl", f"task.path={dataset}", "task.prompt_template='{question}'",
-            f"train.steps={STEPS}", f"train.prompts_per_step={PROBLEMS}", f"train.run_dir={folder / 'run'}", "train.seed=3",
+            f"train.steps={STEPS}", f"train.prompts_per_step={PROBLEMS}", f"train.run_dir={folder / 'run'}",
+            "train.seed=3",
             "rollout.num_workers=2", "rollout.samples_per_prompt=8", "rollout.max_new_tokens=5",
             "learner.lr=1e-3", "learner.warmup_steps=3", "lora.rank=8", "lora.alpha=16",
         ],
