@@ -18,6 +18,11 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export QERL_CACHE_DIR="${QERL_CACHE_DIR:-/tmp/qerl-cache}"
 qerl() { python3 -m deploy.cli "$@"; }
+gpu=(--config configs/bench_gpu.yaml)
+# two workers share the GPU: a fixed KV size (engines that profile one GPU at once trip vLLM's
+# memory check), eager, half the GPU each
+two_workers=(rollout.num_workers=2 rollout.num_gpus_per_worker=0.5 rollout.gpu_memory_utilization=0.4
+             rollout.kv_cache_memory_bytes=1073741824 rollout.enforce_eager=true)
 status=0
 kernels="${QERL_LORA_KERNELS:-configs/lora-kernels}"
 run() {  # run NAME COMMAND...: log to $out/NAME.log, remember a failure, go on
@@ -27,12 +32,15 @@ run() {  # run NAME COMMAND...: log to $out/NAME.log, remember a failure, go on
   "$@" > >(tee "$out/$name.log") 2>&1 || { echo "=== $name FAILED"; status=1; }
   echo "=== $name took $((SECONDS - started)) s"
 }
-lever() {  # lever NAME ARGS...: the 7B rollout bench with extra arguments
+lever() {  # lever NAME ARGS...: the 7B rollout bench with extra arguments (flags or overrides)
   local name=$1; shift
-  run "rollout_7b_$name" qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
-      --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-format nf4 \
-      --json "$out/rollout_7b_$name.json" "$@"
+  run "rollout_7b_$name" qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --concurrency 16,64,256 \
+      --prompt-len 256 --gen-len 512 --peer-format nf4 --json "$out/rollout_7b_$name.json" "$@"
 }
+separate=(rollout.in_process=false)
+unseeded=(rollout.request_seeds=false)
+fp8=(rollout.quantization=fp8)
+tuned=(rollout.lora_kernel_configs="$kernels")
 for stage in ${*:-tests rollout sync learner train}; do
   case $stage in
     tests)
@@ -41,58 +49,51 @@ for stage in ${*:-tests rollout sync learner train}; do
           --target /tmp/site .gpu/extra/*.whl
       run tests python3 -m pytest -m gpu -q -rsP -p no:cacheprovider tests ;;
     rollout)
-      run rollout qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
-          --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 16,64 \
-          --peer-format nf4 --json "$out/rollout_7b.json" ;;
+      lever bf16 --peer-concurrency 16,64 ;;
     sync)
-      run sync_7b_1w qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
-          --json "$out/sync_7b_1w.json"
-      run sync_7b_2w qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 2 --repeats 10 \
+      run sync_7b_1w qerl bench sync "${gpu[@]}" --shape qwen2.5-7b --repeats 10 --json "$out/sync_7b_1w.json"
+      run sync_7b_2w qerl bench sync "${gpu[@]}" --shape qwen2.5-7b --repeats 10 "${two_workers[@]}" \
           --json "$out/sync_7b_2w.json"
-      run sync_tiny qerl bench sync --model tiny --lora-rank 16 --workers 2 --repeats 10 \
+      run sync_tiny qerl bench sync "${gpu[@]}" --repeats 10 "${two_workers[@]}" lora.rank=16 lora.alpha=32 \
           --json "$out/sync_tiny.json" ;;
     engine-core)
       # not in the default list: the same 7B rollout and sync with vLLM's engine core in its own
       # process (rollout.in_process=false), to compare with the in-process figures
-      run rollout_7b_separate qerl bench rollout --model qwen2.5-7b --lora-rank 32 --concurrency 16,64,256 \
-          --prompt-len 256 --gen-len 512 --samples-per-prompt 8 --peer-concurrency 64 --peer-format nf4 \
-          --engine-core separate --json "$out/rollout_7b_separate.json"
-      run sync_7b_separate qerl bench sync --model qwen2.5-7b --lora-rank 32 --workers 1 --repeats 10 \
-          --engine-core separate --json "$out/sync_7b_separate.json" ;;
+      lever separate --peer-concurrency 64 "${separate[@]}"
+      run sync_7b_separate qerl bench sync "${gpu[@]}" --shape qwen2.5-7b --repeats 10 "${separate[@]}" \
+          --json "$out/sync_7b_separate.json" ;;
     levers)
       # not in the default list: the 7B rollout under each throughput lever, one engine per run,
       # all against the same HF peer (measured with the first)
       lever seeded --peer-concurrency 64
-      lever unseeded --peer-concurrency "" --no-request-seeds
-      lever unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate
-      lever fp8_unseeded_separate --peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8 ;;
+      lever unseeded --peer-concurrency "" "${unseeded[@]}"
+      lever unseeded_separate --peer-concurrency "" "${unseeded[@]}" "${separate[@]}"
+      lever fp8_unseeded_separate --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}" ;;
     lora-tune)
-      run lora_tune qerl bench lora-kernels --model qwen2.5-7b --lora-rank 32 --out "$out/lora-kernels" \
+      run lora_tune qerl bench lora-kernels "${gpu[@]}" --shape qwen2.5-7b --out "$out/lora-kernels" \
           --json "$out/lora_kernels_7b.json" ;;
     lora-kernels)
       lever default --peer-concurrency 64
-      lever tuned --peer-concurrency "" --lora-kernel-configs "$kernels" ;;
+      lever tuned --peer-concurrency "" "${tuned[@]}" ;;
     lora-kernels-fp8)
-      fp8=(--peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8)
-      lever fp8_separate "${fp8[@]}"
-      lever fp8_separate_tuned "${fp8[@]}" --lora-kernel-configs "$kernels" ;;
+      lever fp8_separate --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}"
+      lever fp8_separate_tuned --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}" "${tuned[@]}" ;;
     fp8-kv)
-      fp8=(--peer-concurrency "" --no-request-seeds --engine-core separate --base-format fp8)
-      lever fp8_separate "${fp8[@]}"
-      lever fp8_separate_fp8kv "${fp8[@]}" --kv-cache-dtype fp8 ;;
+      lever fp8_separate --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}"
+      lever fp8_separate_fp8kv --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}" \
+          rollout.kv_cache_dtype=fp8 ;;
     profile)
       lever profiled --peer-concurrency "" --concurrency 64 --profile "$out/profile_lora"
-      lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --lora-rank 0 \
+      lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --no-adapter \
           --profile "$out/profile_no_adapter" ;;
     ratio)
-      fp8=(--concurrency 64 --no-request-seeds --engine-core separate --base-format fp8)
-      lever ratio_fp8 "${fp8[@]}" --peer-concurrency 64
-      lever ratio_fp8_tuned "${fp8[@]}" --peer-concurrency "" --lora-kernel-configs "$kernels"
-      lever ratio_fp8_tuned_fp8kv "${fp8[@]}" --peer-concurrency "" --lora-kernel-configs "$kernels" \
-          --kv-cache-dtype fp8 ;;
+      ratio=(--concurrency 64 "${unseeded[@]}" "${separate[@]}" "${fp8[@]}")
+      lever ratio_fp8 "${ratio[@]}" --peer-concurrency 64
+      lever ratio_fp8_tuned "${ratio[@]}" --peer-concurrency "" "${tuned[@]}"
+      lever ratio_fp8_tuned_fp8kv "${ratio[@]}" --peer-concurrency "" "${tuned[@]}" rollout.kv_cache_dtype=fp8 ;;
     learner)
-      run learner qerl bench learner --model qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
-          --prompt-len 256 --gen-len 512 --lora-rank 32 --json "$out/learner_7b.json" ;;
+      run learner qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
+          --prompt-len 256 --gen-len 512 --json "$out/learner_7b.json" ;;
     train)
       python3 -m benchmarks.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random > /dev/null
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
