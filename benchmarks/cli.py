@@ -5,7 +5,8 @@ Every benchmark reads the same run config as `qerl train` (`--config FILE` plus
 fit the embedded tiny model on a CPU). The flags below are only what a benchmark sweeps or
 writes; every rollout, LoRA and learner setting comes from the config, e.g.
 
-    qerl bench rollout --config configs/bench_gpu.yaml --shape qwen2.5-7b rollout.quantization=fp8
+    qerl bench rollout --config configs/bench_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
+        rollout.linear_backend=marlin
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
                          help="default 256, less where the model's context is shorter")
     rollout.add_argument("--gen-len", type=at_least(1), default=None,
                          help="default 512, less where the model's context is shorter")
+    rollout.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),
+                         help="policy formats side by side, each on its own engine, e.g. bf16,int4,nvfp4 "
+                              "(default: the config's policy.format); ratios are to the first")
     rollout.add_argument("--no-adapter", action="store_true", help="serve the bare base (no LoRA)")
     rollout.add_argument("--repeats", type=at_least(1), default=3,
                          help="timed vLLM runs per concurrency; the median is reported")
@@ -88,6 +92,11 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     learner.add_argument("--prompt-len", type=at_least(1), default=None)
     learner.add_argument("--gen-len", type=at_least(1), default=None)
     learner.add_argument("--repeats", type=at_least(1), default=2)
+    fidelity = kinds.add_parser("fidelity", help="KL(rollout||learner), |dlogprob| and rollout entropy per policy pair")
+    _common(fidelity)
+    fidelity.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),
+                          help="policy formats to compare (default: every one this machine serves)")
+    fidelity.add_argument("--prompts", type=at_least(1), default=32, help="task prompts sampled per format")
     kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
     _common(kernels)
     kernels.add_argument("--tokens", type=ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
@@ -99,6 +108,7 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> dict:
     """Load the config, then run the benchmark `args.bench` with its sweep flags."""
     from shared.config import load_config
+    from shared.errors import QerlError
 
     config = load_config(args.config, args.overrides)
     sweep = {k: v for k, v in vars(args).items() if k not in ("command", "bench", "config", "overrides")}
@@ -110,6 +120,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         from benchmarks.sync import SyncBenchArgs, bench_sync
 
         return bench_sync(config, SyncBenchArgs(**sweep))
+    if args.bench == "fidelity":
+        from benchmarks.fidelity import FidelityBenchArgs, bench_fidelity
+
+        if sweep.pop("shape"):
+            raise QerlError("qerl bench fidelity needs real weights: set model.path (or leave it unset for tiny)")
+        return bench_fidelity(config, FidelityBenchArgs(**sweep))
     if args.bench == "lora-kernels":
         from benchmarks.lora_kernels import LoraKernelBenchArgs, bench_lora_kernels
 

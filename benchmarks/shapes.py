@@ -27,11 +27,9 @@ def shape_folder(name: str) -> Path:
     """A folder holding only config.json for the named shape (created in the qerl cache)."""
     from transformers import Qwen2Config
 
-    from shared.tiny_model import cache_root
-
     if name not in QWEN25_SHAPES:
         raise QerlError(f"unknown model shape {name!r}; known: {', '.join(QWEN25_SHAPES)}")
-    folder = cache_root() / "shapes" / name
+    folder = cache_root_shapes() / name
     if not (folder / "config.json").is_file():
         config = Qwen2Config(
             **QWEN25_SHAPES[name], max_position_embeddings=32768, rope_theta=1_000_000.0,
@@ -39,6 +37,38 @@ def shape_folder(name: str) -> Path:
         )
         config.save_pretrained(folder)
     return folder
+
+
+def quantization_config(scheme: str, group_size: int) -> dict:
+    """config.json's quantization_config for a compressed-tensors int4 (`pack-quantized`,
+    symmetric, group scales) or NVFP4 weight-only folder, `lm_head` left dense."""
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+
+    preset = preset_name_to_scheme("W4A16" if scheme == "int4" else "NVFP4A16", ["Linear"])
+    if scheme == "int4":
+        preset.weights.group_size = group_size
+    config = QuantizationConfig(config_groups={"group_0": preset}, ignore=["lm_head"], quantization_status="compressed",
+                                format="pack-quantized" if scheme == "int4" else "nvfp4-pack-quantized")
+    return config.model_dump()
+
+
+def quantized_shape_folder(name: str, scheme: str, group_size: int) -> Path:
+    """A config-only folder for the named shape in int4/NVFP4: vLLM's dummy load gives it random
+    packed weights of the right layout (engine benchmarks, nothing on disk but config.json)."""
+    import json
+
+    folder = cache_root_shapes() / f"{name}-{scheme}-g{group_size}"
+    config = json.loads((shape_folder(name) / "config.json").read_text())
+    config["quantization_config"] = quantization_config(scheme, group_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def cache_root_shapes() -> Path:
+    from shared.tiny_model import cache_root
+
+    return cache_root() / "shapes"
 
 
 def write_random_model(name: str, folder: str | Path, seed: int = 0) -> Path:
@@ -60,9 +90,41 @@ def write_random_model(name: str, folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-if __name__ == "__main__":
-    import sys
+def write_random_packed_model(name: str, folder: str | Path, scheme: str, group_size: int = 128, seed: int = 0) -> Path:
+    """A loadable int4/NVFP4 compressed-tensors folder for the named shape, random weights
+    written layer by layer straight in the packed layout (a bf16 copy of a 32B shape would not
+    fit a 64 GiB disk), plus the character tokenizer."""
+    import torch
+    from transformers import AutoConfig
 
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m benchmarks.shapes SHAPE OUTPUT_FOLDER")
-    print(write_random_model(sys.argv[1], sys.argv[2]))
+    from benchmarks.random_quantized import write_random_quantized_folder
+    from shared.tiny_model import build_tokenizer
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(shape_folder(name))
+    tokenizer = build_tokenizer()
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    write_random_quantized_folder(config, folder, scheme, group_size, torch.bfloat16, seed)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.shapes",
+                                     description="write a loadable model folder of a named shape, random weights")
+    parser.add_argument("shape", choices=SHAPE_NAMES)
+    parser.add_argument("folder")
+    parser.add_argument("--packed", choices=["int4", "nvfp4"], default=None,
+                        help="write the weights straight in this compressed-tensors layout (default: bf16)")
+    parser.add_argument("--group-size", type=int, default=128)
+    args = parser.parse_args(argv)
+    if args.packed:
+        print(write_random_packed_model(args.shape, args.folder, args.packed, args.group_size))
+    else:
+        print(write_random_model(args.shape, args.folder))
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ import ray
 
 from benchmarks.common import environment_facts, model_label, percentile, print_table, resolve_bench_model, write_json
 from benchmarks.random_adapter import random_adapter, write_peft_folder
+from benchmarks.rollout import bench_served_base
 from benchmarks.workers import BenchWorker, bench_rollout_config, started_ray
 from rollout_server.pool import RolloutPool
 from shared.config import QerlConfig
@@ -29,7 +30,7 @@ class SyncBenchArgs:
 def bench_sync(config: QerlConfig, args: SyncBenchArgs, log=print) -> dict:
     folder, is_random = resolve_bench_model(args.shape, config)
     rollout = bench_rollout_config(config.rollout, is_random, config.rollout.max_model_len)
-    update = random_adapter(folder, config.lora.rank, dtype=dtype_of(rollout.engine_dtype()))
+    update = random_adapter(folder, config.lora.rank, dtype=dtype_of(config.engine_dtype()))
     size_mb = update.payload.nbytes / 2**20
     core = "in process" if rollout.in_process else "separate"
     log(f"[qerl] bench sync: {model_label(args.shape, folder)}, LoRA r{config.lora.rank} ({size_mb:,.1f} MB in the "
@@ -37,7 +38,8 @@ def bench_sync(config: QerlConfig, args: SyncBenchArgs, log=print) -> dict:
     memory, disk = [], []  # (end-to-end ms, slowest worker's own ms) per repeat
     phases: list[dict[str, float]] = []  # the slowest worker's in-memory load, phase by phase
     with started_ray(rollout), tempfile.TemporaryDirectory(prefix="qerl-sync-") as scratch:
-        pool = RolloutPool(str(folder), rollout, config.lora.rank, log=log, worker_class=BenchWorker)
+        served = bench_served_base(folder, args.shape, config.policy.format, config)
+        pool = RolloutPool(served, rollout, config.lora.rank, log=log, worker_class=BenchWorker)
         try:
             ray.get([worker.time_load_phases.remote(True) for worker in pool.workers])
             for index in range(args.repeats + 1):  # the first of each is a warm-up

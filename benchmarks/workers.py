@@ -25,6 +25,11 @@ class BenchWorker(RolloutWorker):
 
         return copy_bandwidth(self.device())
 
+    def linear_kernels(self) -> list[str]:
+        """The kernel classes vLLM chose for the quantized linear layers (e.g.
+        MacheteLinearKernel), read from the engine's own layers."""
+        return sorted(set(self.llm.collective_rpc(_linear_kernel_names)[0]))
+
     def time_load_phases(self, enabled: bool) -> None:
         self.llm.collective_rpc("qerl_time_load_phases", args=(enabled,))
 
@@ -37,6 +42,18 @@ class BenchWorker(RolloutWorker):
         from benchmarks.profile import profile_generate
 
         return profile_generate(lambda: self.generate(prompts, sampling), steps, out_dir)
+
+
+def _linear_kernel_names(worker) -> list[str]:
+    """Runs inside vLLM's worker: the kernel object each quantized linear layer's scheme or
+    method holds (compressed-tensors schemes and GPTQ/AWQ methods keep it as `kernel`)."""
+    names = []
+    for module in worker.model_runner.model.modules():
+        for holder in (getattr(module, "scheme", None), getattr(module, "quant_method", None)):
+            kernel = getattr(holder, "kernel", None)
+            if kernel is not None:
+                names.append(type(kernel).__name__)
+    return names
 
 
 def bench_rollout_config(rollout: RolloutConfig, random_weights: bool, max_model_len: int) -> RolloutConfig:

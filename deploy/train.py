@@ -23,7 +23,8 @@ from deploy.ray_cluster import connect_ray
 from learner.actor import LearnerActor, LearnerSpec
 from learner.losses import group_advantages
 from learner.model import check_model_folder
-from rollout_server.pool import RolloutPool
+from rollout_server.pool import RolloutPool, ready_or_error
+from rollout_server.vllm_internals import installed_vllm_version
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
 from shared.errors import QerlError
@@ -68,6 +69,9 @@ def start_run(config: QerlConfig, log=print) -> Run:
     if (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
         raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir or set train.overwrite=true")
     task = build_task(config.task)
+    problem = config.policy.pair().serves_on(config.rollout.device(), config.engine_dtype(), installed_vllm_version())
+    if problem:  # before any engine starts
+        raise QerlError(problem)
     model_path = resolve_model_path(config, log)
     if config.train.overwrite:
         _remove_run_outputs(run_dir)
@@ -78,12 +82,15 @@ def start_run(config: QerlConfig, log=print) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started_ray = connect_ray(config)
     try:
-        spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.rollout.engine_dtype(),
+        spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
                            config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")
         learner = ray.remote(LearnerActor).options(
             num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus
         ).remote(spec)
-        pool = RolloutPool(ray.get(learner.rollout_base.remote()), config.rollout, config.lora.rank, log=log)
+        info = ready_or_error(learner, "the learner")
+        memory = f", {info['gpu_memory_gib']:.1f} GiB on the GPU" if info["gpu_memory_gib"] else ""
+        log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{memory})")
+        pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log)
     except BaseException:
         if started_ray:
             ray.shutdown()

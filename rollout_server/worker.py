@@ -20,7 +20,7 @@ import numpy as np
 
 from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
-from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings
+from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
 EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
 
@@ -42,6 +42,8 @@ def worker_env(config: RolloutConfig, worker_id: int) -> dict[str, str]:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:  # a forked engine core cannot use CUDA once this process has touched it
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if config.lora_dual_stream:
+        env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
     if config.lora_kernel_configs:  # read by vLLM's LoRA ops at their first launch
         env["VLLM_TUNED_CONFIG_FOLDER"] = config.lora_kernel_configs
     return env
@@ -59,7 +61,7 @@ def worker_actor_options(config: RolloutConfig, worker_id: int) -> dict:
 class RolloutWorker:
     """Create it as a Ray actor with `worker_actor_options`: vLLM reads that environment."""
 
-    def __init__(self, worker_id: int, model_path: str, config: RolloutConfig, max_lora_rank: int):
+    def __init__(self, worker_id: int, served: ServedBase, config: RolloutConfig, max_lora_rank: int):
         from rollout_server.vllm_internals import check_vllm_version
 
         self.worker_id = worker_id
@@ -76,8 +78,8 @@ class RolloutWorker:
         check_vllm_version()
         started = time.perf_counter()
         self.llm = LLM(
-            model=model_path,
-            dtype=config.engine_dtype(),
+            model=served.path,
+            dtype=config.engine_dtype(served.policy_format),
             max_model_len=config.max_model_len,
             enable_lora=True,
             max_lora_rank=_vllm_rank(max_lora_rank),
@@ -89,7 +91,8 @@ class RolloutWorker:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             distributed_executor_backend="uni" if config.in_process else None,
-            quantization=config.quantization,
+            quantization=served.quantization,
+            **({} if config.linear_backend == "auto" else {"linear_backend": config.linear_backend}),
             load_format=config.load_format,
             skip_tokenizer_init=config.load_format == "dummy",  # shape-only folders have no tokenizer
             seed=worker_id,
@@ -98,7 +101,11 @@ class RolloutWorker:
         self.start_s = time.perf_counter() - started
 
     def ready(self) -> dict:
-        return {"worker_id": self.worker_id, "start_s": round(self.start_s, 2), "pid": os.getpid()}
+        import torch
+
+        gpu_gib = torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else None
+        return {"worker_id": self.worker_id, "start_s": round(self.start_s, 2), "pid": os.getpid(),
+                "gpu_memory_gib": gpu_gib}
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
         from vllm import SamplingParams, TokensPrompt

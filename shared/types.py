@@ -42,6 +42,17 @@ class AdapterUpdate:
 
 
 @dataclass(frozen=True)
+class ServedBase:
+    """The base the rollout engines load: a model folder, and vLLM's `quantization` argument
+    where the engine quantizes it itself (None: dense, or the folder's own compressed-tensors
+    config)."""
+
+    path: str
+    quantization: str | None
+    policy_format: str
+
+
+@dataclass(frozen=True)
 class AdapterLoaded:
     """A worker's answer to an adapter push."""
 

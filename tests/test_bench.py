@@ -37,9 +37,11 @@ def test_bench_rollout_measures_vllm_the_profile_and_the_hf_peer(ray_local, tmp_
     assert rows[8]["ratio_to_peer"] == pytest.approx(rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
     assert rows[16]["peer_tok_per_s"] is None
     assert report["peer"]["gen_len"] == 6
-    profile = report["profile"]
+    assert [r["format"] for r in report["rows"]] == ["nf4-exact"] * 2  # the config's policy.format
+    assert all(r["ratio_to_first"] == 1.0 for r in report["rows"])
+    profile = report["profile"]["nf4-exact"]
     assert profile["steps"] == 12 and profile["wall_ms_per_step"] > 0
-    assert "Self CPU" in (tmp_path / "profile" / "ops.txt").read_text()  # CPU engine: an op table, no kernels
+    assert "Self CPU" in (tmp_path / "profile" / "nf4-exact" / "ops.txt").read_text()  # CPU engine: an op table, no kernels
     assert profile["device_busy_share"] is None and profile["device_ms_per_step"] == {}
 
 

@@ -85,14 +85,31 @@ def test_bad_arguments_are_one_line_errors(args, expected, capsys):
 
 @pytest.mark.parametrize("args, expected", [
     (["bench", "rollout", "rollout.lora_kernel_configs=/no/such/qerl-folder"],
-     "rollout.lora_kernel_configs: Value error, no such folder: /no/such/qerl-folder"),
-    (["bench", "sync", "rollout.dtype=float64"], "rollout.dtype: Value error, 'float64' is not one of auto"),
-    (["bench", "learner", "--config", "configs/tiny_cpu.yaml", "learner.base_format=int3"],
-     "learner.base_format: Value error, 'int3' is not one of"),
+     "rollout.lora_kernel_configs: no such folder: /no/such/qerl-folder"),
+    (["bench", "sync", "rollout.dtype=float64"], "rollout.dtype: 'float64' is not one of auto"),
+    (["bench", "learner", "--config", "configs/tiny_cpu.yaml", "policy.format=int3"],
+     "policy.format: 'int3' is not one of nf4-exact, int4"),
+    (["train", "--config", "configs/tiny_cpu.yaml", "learner.base_format=nf4"],
+     "learner.base_format is gone: use policy.format"),
     (["bench", "rollout", "--prompt-len", "300"], "exceed the model's context of 256 tokens"),
 ])
 def test_bench_takes_the_run_config_and_its_errors(args, expected, capsys):
     _assert_one_line_error(_qerl(capsys, *args), expected)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["policy.format=nvfp4"],
+     "policy.format nvfp4 cannot be served by vLLM 0.32.0 on cpu: no kernel (it runs on cuda)"),
+    (["policy.format=int4", "rollout.dtype=float32"],
+     "policy.format int4 cannot be served by vLLM 0.32.0 on cpu in float32: set rollout.dtype to float16 or bfloat16"),
+    (["policy.format=nf4-bnb"], "policy.format nf4-bnb cannot be served by vLLM 0.32.0 on cpu (only by vLLM 0.26)"),
+    (["rollout.quantization=fp8"], "rollout.quantization is gone: use policy.format"),
+])
+def test_a_format_this_machine_cannot_serve_fails_before_any_engine(overrides, expected, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", f"train.run_dir={run_dir}", *overrides)
+    _assert_one_line_error(result, expected)
+    assert not run_dir.exists()
 
 
 def test_overrides_may_come_between_flags():

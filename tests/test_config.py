@@ -33,7 +33,7 @@ def test_overrides_apply_with_yaml_types():
         ("task.name=jsonl", "task.path is required"),
         ("steps", "not of the form section.key=value"),
         ("rollout.lora_kernel_configs=/no/such/qerl-folder",
-         "rollout.lora_kernel_configs: Value error, no such folder"),
+         "rollout.lora_kernel_configs: no such folder"),
         ("rollout.kv_cache_dtype=int4", "rollout.kv_cache_dtype: Input should be 'auto' or 'fp8'"),
     ],
 )

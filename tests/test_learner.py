@@ -64,7 +64,8 @@ def test_state_dict_round_trip_continues_bit_for_bit(tiny_model, tmp_path):
 
 def test_state_of_another_rank_is_refused(tiny_model, tmp_path):
     learner = _learner(tiny_model, tmp_path / "a")
-    other = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=8, alpha=16), LearnerConfig(), str(tmp_path / "b")))
+    spec = LearnerSpec(str(tiny_model), LoraConfig(rank=8, alpha=16), LearnerConfig(), str(tmp_path / "b"))
+    other = build_learner(spec)
     state = other.state_dict()
     state["lora"] = {name.replace("q_proj", "nope"): t for name, t in state["lora"].items()}
     with pytest.raises(ValueError, match="other LoRA tensors"):

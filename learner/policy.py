@@ -1,0 +1,87 @@
+"""The policy pair of `policy.format`: the base the learner holds and the base the engines serve.
+
+- "learner" engines (nf4-exact, bf16, fp32): the learner loads the source folder in its format
+  and writes the base exactly as it sees it, dense in the engine dtype, for the engines.
+- 4-bit exact pairs (int4, nvfp4): the source is quantized once (round to nearest, cached) into
+  a compressed-tensors folder; the learner holds those packed integers and scales, and the
+  engines load the very same folder.
+- Lossy pairs (nf4-int4, nf4-fp8, nf4-bnb): the learner holds NF4; the engines serve the source
+  quantized their own way. Truncated importance sampling corrects the gap.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from learner.model import add_lora, check_model_folder, export_rollout_base, load_base
+from shared.config import LoraConfig, PolicyConfig
+from shared.formats import POLICY_FORMATS
+from shared.tiny_model import cache_root
+from shared.types import ServedBase
+
+PACKED_SCHEMES = {"int4": "int4", "nvfp4": "nvfp4"}  # base format -> quantizer scheme
+
+
+def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
+    """The folder already holds compressed-tensors weights of this scheme (e.g. random 4-bit
+    weights written straight in the packed layout), so it is used as it is."""
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "compressed-tensors":
+        return False
+    expected = "pack-quantized" if scheme == "int4" else "nvfp4-pack-quantized"
+    if quant.get("format") != expected:
+        return False
+    groups = {group.get("weights", {}).get("group_size") for group in quant.get("config_groups", {}).values()}
+    return scheme == "nvfp4" or groups == {group_size}
+
+
+def packed_folder(source: Path, base_format: str, policy: PolicyConfig, log=print) -> Path:
+    """The compressed-tensors folder of `source` in `base_format` (int4/nvfp4): the source itself
+    when it already is one, else written once into the qerl cache."""
+    from learner.quantize import quantized_folder
+
+    scheme = PACKED_SCHEMES[base_format]
+    if is_packed_folder(source, scheme, policy.group_size):
+        return source
+    dtype = torch.float16 if policy.scale_dtype == "float16" else torch.bfloat16
+    return quantized_folder(source, scheme, policy.group_size, dtype, cache_root() / "quantized", log=log)
+
+
+def load_learner_base(model_path: str, policy: PolicyConfig, device: str, compute_dtype: torch.dtype, log=print):
+    """The frozen base as the learner holds it, and the folder it came from."""
+    source = check_model_folder(model_path)
+    learner_format = POLICY_FORMATS[policy.format].learner
+    if learner_format in PACKED_SCHEMES:
+        from learner.packed_linear import load_packed_base
+
+        folder = packed_folder(source, learner_format, policy, log)
+        return load_packed_base(folder, device=device, compute_dtype=compute_dtype), folder
+    return load_base(source, learner_format, device, compute_dtype), source
+
+
+def served_base(base, source: Path, learner_folder: Path, policy: PolicyConfig, run_dir: str,
+                engine_dtype: torch.dtype, log=print) -> ServedBase:
+    """What the engines load for this pair (written where it must be)."""
+    pair = POLICY_FORMATS[policy.format]
+    if pair.engine == "learner":
+        target = export_rollout_base(base, source, Path(run_dir) / "rollout_base", engine_dtype)
+        return ServedBase(str(target), None, pair.name)
+    if pair.engine in PACKED_SCHEMES:
+        folder = learner_folder if pair.exact else packed_folder(source, pair.engine, policy, log)
+        return ServedBase(str(folder), None, pair.name)
+    return ServedBase(str(source), pair.vllm_quantization, pair.name)
+
+
+def add_policy_lora(base, lora: LoraConfig, policy: PolicyConfig):
+    """peft LoRA on the base; packed 4-bit layers go through peft's custom-module hook."""
+    if POLICY_FORMATS[policy.format].learner in PACKED_SCHEMES:
+        from peft import get_peft_model
+
+        from learner.packed_linear import packed_lora_config
+
+        return get_peft_model(base, packed_lora_config(lora.rank, lora.alpha, lora.target_modules))
+    return add_lora(base, lora.rank, lora.alpha, lora.target_modules)
