@@ -90,7 +90,8 @@ def bench_served_base(folder: Path, shape: str | None, policy_format: str, confi
         if shape is not None:
             return ServedBase(str(quantized_shape_folder(shape, pair.engine, config.policy.group_size)), None,
                               policy_format)
-        return ServedBase(str(packed_folder(folder, pair.engine, config.policy)), None, policy_format)
+        engine_dtype = config.rollout.engine_dtype(policy_format)
+        return ServedBase(str(packed_folder(folder, pair.engine, config.policy, engine_dtype)), None, policy_format)
     return ServedBase(str(folder), pair.vllm_quantization, policy_format)
 
 

@@ -49,8 +49,9 @@ def load_policy(spec: LearnerSpec, log=print) -> tuple[torch.nn.Module, ServedBa
     """The peft model (frozen base + fresh LoRA) and the base the engines serve."""
     torch.manual_seed(spec.seed)
     source = Path(spec.model_path)
-    base, learner_folder = load_learner_base(spec.model_path, spec.policy, spec.device, spec.compute_dtype(), log)
-    served = served_base(base, source, learner_folder, spec.policy, spec.run_dir, dtype_of(spec.rollout_dtype), log)
+    base, learner_folder = load_learner_base(spec.model_path, spec.policy, spec.device, spec.compute_dtype(),
+                                             spec.rollout_dtype, log)
+    served = served_base(base, source, learner_folder, spec.policy, spec.run_dir, spec.rollout_dtype, log)
     return add_policy_lora(base, spec.lora, spec.policy), served
 
 

@@ -66,12 +66,17 @@ def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
 
 
 def dequantized_state_dict(model) -> dict[str, torch.Tensor]:
-    """The base's weights as dense tensors, NF4 layers dequantized (names as in the HF folder)."""
+    """The base's weights as dense tensors, NF4 and packed 4-bit layers dequantized (names as in
+    the HF folder)."""
     import bitsandbytes as bnb
 
     state = {}
     for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit):
+        if hasattr(module, "dequantized_weight"):  # learner.packed_layers: int4 / NVFP4
+            state[f"{name}.weight"] = module.dequantized_weight().float().cpu()
+            if module.bias is not None:
+                state[f"{name}.bias"] = module.bias.detach().float().cpu()
+        elif isinstance(module, bnb.nn.Linear4bit):
             weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
             state[f"{name}.weight"] = weight.float().cpu()
             if module.bias is not None:

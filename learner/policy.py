@@ -18,7 +18,7 @@ import torch
 
 from learner.model import add_lora, check_model_folder, export_rollout_base, load_base
 from shared.config import LoraConfig, PolicyConfig
-from shared.formats import POLICY_FORMATS
+from shared.formats import POLICY_FORMATS, dtype_of
 from shared.tiny_model import cache_root
 from shared.types import ServedBase
 
@@ -39,39 +39,42 @@ def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
     return scheme == "nvfp4" or groups == {group_size}
 
 
-def packed_folder(source: Path, base_format: str, policy: PolicyConfig, log=print) -> Path:
+def packed_folder(source: Path, base_format: str, policy: PolicyConfig, engine_dtype: str, log=print) -> Path:
     """The compressed-tensors folder of `source` in `base_format` (int4/nvfp4): the source itself
-    when it already is one, else written once into the qerl cache."""
-    from learner.quantize import quantized_folder
+    when it already is one, else written once into the qerl cache, its scales and dense tensors
+    in the engines' dtype unless policy.scale_dtype says otherwise."""
+    from learner.quantized_folder import quantized_folder
 
     scheme = PACKED_SCHEMES[base_format]
     if is_packed_folder(source, scheme, policy.group_size):
         return source
-    dtype = torch.float16 if policy.scale_dtype == "float16" else torch.bfloat16
-    return quantized_folder(source, scheme, policy.group_size, dtype, cache_root() / "quantized", log=log)
+    scale_dtype = engine_dtype if policy.scale_dtype == "auto" else policy.scale_dtype
+    return quantized_folder(source, scheme, policy.group_size, dtype_of(scale_dtype), cache_root() / "quantized",
+                            log=log)
 
 
-def load_learner_base(model_path: str, policy: PolicyConfig, device: str, compute_dtype: torch.dtype, log=print):
+def load_learner_base(model_path: str, policy: PolicyConfig, device: str, compute_dtype: torch.dtype,
+                      engine_dtype: str, log=print):
     """The frozen base as the learner holds it, and the folder it came from."""
     source = check_model_folder(model_path)
     learner_format = POLICY_FORMATS[policy.format].learner
     if learner_format in PACKED_SCHEMES:
-        from learner.packed_linear import load_packed_base
+        from learner.packed_layers import load_packed_base
 
-        folder = packed_folder(source, learner_format, policy, log)
+        folder = packed_folder(source, learner_format, policy, engine_dtype, log)
         return load_packed_base(folder, device=device, compute_dtype=compute_dtype), folder
     return load_base(source, learner_format, device, compute_dtype), source
 
 
 def served_base(base, source: Path, learner_folder: Path, policy: PolicyConfig, run_dir: str,
-                engine_dtype: torch.dtype, log=print) -> ServedBase:
+                engine_dtype: str, log=print) -> ServedBase:
     """What the engines load for this pair (written where it must be)."""
     pair = POLICY_FORMATS[policy.format]
     if pair.engine == "learner":
-        target = export_rollout_base(base, source, Path(run_dir) / "rollout_base", engine_dtype)
+        target = export_rollout_base(base, source, Path(run_dir) / "rollout_base", dtype_of(engine_dtype))
         return ServedBase(str(target), None, pair.name)
     if pair.engine in PACKED_SCHEMES:
-        folder = learner_folder if pair.exact else packed_folder(source, pair.engine, policy, log)
+        folder = learner_folder if pair.exact else packed_folder(source, pair.engine, policy, engine_dtype, log)
         return ServedBase(str(folder), None, pair.name)
     return ServedBase(str(source), pair.vllm_quantization, pair.name)
 
@@ -81,7 +84,7 @@ def add_policy_lora(base, lora: LoraConfig, policy: PolicyConfig):
     if POLICY_FORMATS[policy.format].learner in PACKED_SCHEMES:
         from peft import get_peft_model
 
-        from learner.packed_linear import packed_lora_config
+        from learner.packed_layers import packed_lora_config
 
-        return get_peft_model(base, packed_lora_config(lora.rank, lora.alpha, lora.target_modules))
+        return get_peft_model(base, packed_lora_config(base, lora.rank, lora.alpha, lora.target_modules))
     return add_lora(base, lora.rank, lora.alpha, lora.target_modules)

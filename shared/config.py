@@ -46,8 +46,9 @@ class PolicyConfig(_Strict):
     group_size: int = Field(128, ge=16)
     """Weights per scale for int4 (vLLM's GPU kernels take 64 or 128; the CPU kernel any even
     size dividing every layer's input width). NVFP4's group is fixed at 16."""
-    scale_dtype: Literal["float16", "bfloat16"] = "float16"
-    """Dtype of the int4 group scales (and the unquantized tensors) in the quantized folder."""
+    scale_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
+    """Dtype of the int4 group scales (and the unquantized tensors) in the quantized folder;
+    "auto": the engines' dtype, so that the engine computes with exactly the stored scales."""
 
     @field_validator("format")
     @classmethod

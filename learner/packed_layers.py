@@ -1,0 +1,198 @@
+"""The learner holding exactly the engine's 4-bit weights.
+
+`Int4Linear` and `Nvfp4Linear` keep a compressed-tensors folder's packed tensors as buffers
+(int4 `pack-quantized`: int32 words of eight 4-bit codes plus group scales; NVFP4: bytes of two
+e2m1 codes, fp8 group scales and a global scale) and dequantize on the fly, the way
+compressed-tensors decompresses them (the product rounded in the scales' dtype, the dtype the
+engine runs in). Forward and backward go through `PackedMatmul`, which saves only the packed
+tensors and rebuilds the weight for dX = dY W, so the learner's memory stays near 4 bits a
+weight however many layers a step goes through. peft puts its LoRA on top through its
+custom-module hook (`packed_lora_config`): GPTQLoraLinear is a generic base(x) + B(A(x)) layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# e2m1 magnitudes by 3-bit code (compressed-tensors' kE2M1ToFloat)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, K/8] -> int8 codes in [-8, 7], [N, K]: code i of a word sits at bits 4i..4i+3,
+    stored with +8 (compressed-tensors' pack_to_int32)."""
+    shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int32)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF
+    return (nibbles.reshape(packed.shape[0], -1)[:, :in_features] - 8).to(torch.int8)
+
+
+def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [N, K/2] -> e2m1 values [N, K]: the low nibble first; bit 3 is the sign."""
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = table[(codes & 0x07).long()] * torch.where((codes & 0x08).bool(), -1.0, 1.0)
+    return values.to(dtype)
+
+
+class PackedMatmul(torch.autograd.Function):
+    """x @ W.T with W rebuilt from `layer`'s packed tensors in forward and again in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer  # the layer holds the packed buffers; nothing dense is saved
+        return F.linear(x, layer.dequantized_weight().to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        weight = ctx.layer.dequantized_weight().to(grad_output.dtype)
+        return grad_output @ weight, None
+
+
+class Int4Linear(nn.Module):
+    """Symmetric int4 weight-only linear layer, group scales (compressed-tensors pack-quantized)."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int, scale_dtype: torch.dtype,
+                 bias: bool = False, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        # named qweight: peft's LoRA hook looks the base layer's device up under that name
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 8, dtype=torch.int32, device=device))
+        self.register_buffer("scale", torch.zeros(out_features, in_features // group_size, dtype=scale_dtype,
+                                                  device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        codes = unpack_int4(self.qweight, self.in_features).to(self.scale.dtype)
+        return codes * self.scale.repeat_interleave(self.group_size, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = PackedMatmul.apply(x, self)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class Nvfp4Linear(nn.Module):
+    """NVFP4 weight-only linear layer: e2m1 codes, fp8-e4m3 scales per 16 weights, a global scale."""
+
+    group_size = 16
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn,
+                                                  device=device))
+        self.register_buffer("global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        scale = self.scale.to(torch.float32) / self.global_scale  # as compressed-tensors' _dequantize
+        values = unpack_e2m1(self.qweight, torch.float32)
+        return values * scale.repeat_interleave(16, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = PackedMatmul.apply(x, self)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+PACKED_LAYERS = (Int4Linear, Nvfp4Linear)
+
+
+def _replace_linears(model: nn.Module, make) -> list[str]:
+    """Swap every nn.Linear but lm_head for `make(linear)`; returns the swapped names."""
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name != "lm_head":
+                setattr(parent, name, make(child))
+                swapped.append(f"{parent_name}.{name}" if parent_name else name)
+    return swapped
+
+
+def load_packed_base(folder: str | Path, device: str = "cpu", compute_dtype: torch.dtype = torch.float32):
+    """The causal LM of a compressed-tensors int4/NVFP4 folder, its linear layers packed (not
+    decompressed, as transformers would), the other tensors in `compute_dtype`, frozen."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(folder)
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    nvfp4 = quant["format"] == "nvfp4-pack-quantized"
+    group = next(iter(quant["config_groups"].values()))["weights"].get("group_size") or 16
+    config.quantization_config = None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt", device="cpu") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    scale_dtype = next(t.dtype for n, t in tensors.items() if n.endswith("weight_scale"))
+
+    def packed(linear: nn.Linear) -> nn.Module:
+        kwargs = dict(bias=linear.bias is not None, device="cpu")
+        if nvfp4:
+            return Nvfp4Linear(linear.in_features, linear.out_features, **kwargs)
+        return Int4Linear(linear.in_features, linear.out_features, group, scale_dtype, **kwargs)
+
+    swapped = _replace_linears(model, packed)
+    _fill(model, swapped, tensors, nvfp4, compute_dtype)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise ValueError(f"quantized folder {folder} lacks {left[:3]}")
+    model = model.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _fill(model: nn.Module, swapped: list[str], tensors: dict[str, torch.Tensor], nvfp4: bool,
+          compute_dtype: torch.dtype) -> None:
+    """Copy the folder's tensors into the model: packed ones into the packed layers' buffers,
+    the rest as parameters in `compute_dtype`."""
+    layers = dict(model.named_modules())
+    for name in swapped:
+        layer = layers[name]
+        layer.qweight.copy_(tensors.pop(f"{name}.weight_packed"))
+        layer.scale.copy_(tensors.pop(f"{name}.weight_scale"))
+        if nvfp4:
+            layer.global_scale.copy_(tensors.pop(f"{name}.weight_global_scale").reshape(1))
+        tensors.pop(f"{name}.weight_shape", None)
+        if layer.bias is not None:
+            layer.bias.copy_(tensors.pop(f"{name}.bias"))
+    state = {name: tensor.to(compute_dtype) for name, tensor in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)
+               and not any(m.startswith(f"{s}.") for s in swapped)]
+    if missing or unexpected:
+        raise ValueError(f"quantized folder does not match its config: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}")
+    # the model was built on the meta device: rebuild the modules whose buffers are computed,
+    # not stored (rotary tables), for real
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if any(b is not None and b.is_meta for b in child.buffers(recurse=False)):
+                if not type(child).__name__.endswith("RotaryEmbedding"):
+                    raise ValueError(f"{type(child).__name__} {name} has uninitialised buffers")
+                with torch.device("cpu"):
+                    setattr(parent, name, type(child)(config=model.config))
+
+
+def packed_lora_config(model: nn.Module, rank: int, alpha: int, target_modules: str | list[str]):
+    """A peft LoraConfig whose LoRA wraps the packed layers ("all-linear": every packed layer;
+    peft's own all-linear finds only nn.Linear)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.gptq import GPTQLoraLinear
+
+    if target_modules == "all-linear":
+        target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                                 if isinstance(m, PACKED_LAYERS)})
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none")
+    config._register_custom_module(dict.fromkeys(PACKED_LAYERS, GPTQLoraLinear))
+    return config
