@@ -22,7 +22,7 @@ import torch
 
 from shared.errors import QerlError
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: NVFP4 global scales shared across fused layers
 MANIFEST = "qerl_quantized.json"
 _CHECKSUM_SPAN = 4 * 2**20  # bytes hashed at each end of a file: catches truncation and garbled headers
 FORMATS = {"int4": ("W4A16", "pack-quantized"), "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized")}
@@ -106,28 +106,52 @@ def quantize_model_folder(source: Path, target: Path, scheme: str, group_size: i
         preset.weights.group_size = group_size
     config = QuantizationConfig(config_groups={"group_0": preset}, ignore=["lm_head"], quantization_status="frozen")
     apply_quantization_config(model, config)
+    quantized = {name: module for name, module in model.named_modules() if is_module_quantized(module)}
+    global_scales = _shared_global_scales(quantized, generate_gparam) if scheme == "nvfp4" else {}
     with torch.no_grad():
-        for module in model.modules():
-            if not is_module_quantized(module):
-                continue
+        for name, module in quantized.items():
             args = module.quantization_scheme.weights
             weight = module.weight.float()
             rows, cols = weight.shape
             if cols % args.group_size:
                 raise QerlError(f"policy.group_size {args.group_size} does not divide a layer's {cols} inputs")
             grouped = weight.reshape(rows, cols // args.group_size, args.group_size)
-            global_scale = generate_gparam(weight.min(), weight.max()) if scheme == "nvfp4" else None
+            global_scale = global_scales.get(name)
             scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=global_scale)
             module.weight_scale.copy_(scale)
             if global_scale is not None:
                 module.weight_global_scale.copy_(global_scale)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=packing)
-    compressor.compress_model(model)
+    # NVFP4's rounding is a torch.compile'd function that recompiles for every layer shape;
+    # eager gives the same codes at a fraction of the time
+    with torch.compiler.set_stance("force_eager"):
+        compressor.compress_model(model)
     model.save_pretrained(target)
     compressor.update_config(target)
     for name in COPIED:
         if (source / name).is_file():
             shutil.copy(source / name, target / name)
+
+
+# Layers vLLM fuses into one: they must share NVFP4's global scale, since the fused layer keeps one
+# (llm-compressor shares it the same way). A separate scale each serves wrong weights.
+FUSED_LAYERS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _shared_global_scales(quantized: dict[str, torch.nn.Module], generate_gparam) -> dict[str, torch.Tensor]:
+    """Each quantized layer's NVFP4 global scale, taken over the range of its fused group."""
+    groups: dict[str, list[str]] = {}
+    for name in quantized:
+        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        fused = next((members for members in FUSED_LAYERS if leaf in members), None)
+        key = f"{parent}.{fused}" if fused else name
+        groups.setdefault(key, []).append(name)
+    scales = {}
+    for members in groups.values():
+        low = min(quantized[m].weight.float().min() for m in members)
+        high = max(quantized[m].weight.float().max() for m in members)
+        scales |= dict.fromkeys(members, generate_gparam(low, high))
+    return scales
 
 
 def _checksum(path: Path) -> str:
