@@ -128,7 +128,8 @@ class RolloutConfig(_Strict):
             return self.dtype
         if self.num_gpus_per_worker > 0:
             return "bfloat16"
-        return "float32" if "float32" in POLICY_FORMATS[policy_format].engine_dtypes else "float16"
+        allowed = POLICY_FORMATS[policy_format].engine_dtypes
+        return "float32" if "float32" in allowed else ("float16" if "float16" in allowed else allowed[0])
 
 
 class AqnConfig(_Strict):
