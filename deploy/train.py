@@ -73,10 +73,7 @@ def start_run(config: QerlConfig, log=print) -> Run:
     if problem:  # before any engine starts
         raise QerlError(problem)
     model_path = resolve_model_path(config, log)
-    if config.train.overwrite:
-        _remove_run_outputs(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -88,6 +85,10 @@ def start_run(config: QerlConfig, log=print) -> Run:
             num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus
         ).remote(spec)
         info = ready_or_error(learner, "the learner")
+        # the new run's model has loaded: only now do the previous run's outputs go
+        if config.train.overwrite:
+            _remove_run_outputs(run_dir)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         memory = f", {info['gpu_memory_gib']:.1f} GiB on the GPU" if info["gpu_memory_gib"] else ""
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{memory})")
         pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log)
@@ -99,9 +100,9 @@ def start_run(config: QerlConfig, log=print) -> Run:
 
 
 def _remove_run_outputs(run_dir: Path) -> None:
+    """The previous run's metrics and final adapter (rollout_base/ is the new run's by now)."""
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    for folder in ("final_adapter", "rollout_base"):
-        shutil.rmtree(run_dir / folder, ignore_errors=True)
+    shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
 
 
 def train(config: QerlConfig, log=print) -> dict:

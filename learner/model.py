@@ -12,16 +12,28 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import QerlError
+from shared.errors import QerlError, read_utf8
 from shared.formats import learner_dtype
 
 TOKENIZER_AND_GENERATION_FILES = ("vocab.json", "merges.txt", "generation_config.json")
 
 
 def check_model_folder(path: str | Path) -> Path:
+    """`path` if it looks like a Hugging Face model folder; one-line errors naming the file."""
     path = Path(path)
-    if not (path / "config.json").is_file():
+    config = path / "config.json"
+    if not config.is_file():
         raise QerlError(f"model path {path} is not a Hugging Face model folder (no config.json)")
+    try:
+        fields = json.loads(read_utf8(config))
+    except json.JSONDecodeError as error:
+        raise QerlError(f"{config} is not valid JSON ({error.msg}, line {error.lineno})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise QerlError(f"{config} has no model_type")
+    from transformers import CONFIG_MAPPING
+
+    if fields["model_type"] not in CONFIG_MAPPING:
+        raise QerlError(f"{config}: unknown model_type {fields['model_type']!r}")
     return path
 
 
@@ -39,7 +51,10 @@ def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_d
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
         )
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except Exception as error:  # a broken weights file: name the folder, keep the library's reason
+        raise QerlError(f"cannot load the weights in {path}: {str(error).splitlines()[0]}") from None
     model.requires_grad_(False)
     keep_exact_nf4_kernels(model)
     return model

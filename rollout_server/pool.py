@@ -116,7 +116,8 @@ def root_cause(error: BaseException) -> str:
     """The last line of the innermost traceback in a Ray error (the line a user can act on)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|OutOfMemoryError)\b", line)]
-    return (causes or lines or [type(error).__name__])[-1][:400]
+    cause = (causes or lines or [type(error).__name__])[-1][:400]
+    return cause.removeprefix("shared.errors.QerlError: ")  # already a message meant for the user
 
 
 def _contiguous_shards(count: int, parts: int) -> list[tuple[int, int]]:

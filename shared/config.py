@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from shared.errors import QerlError
+from shared.errors import QerlError, read_utf8
 from shared.formats import DTYPE_NAMES, POLICY_FORMAT_NAMES, POLICY_FORMATS
 
 
@@ -168,6 +168,16 @@ class TaskConfig(_Strict):
     path: str | None = None
     """JSONL file of {"question", "answer"} lines, for the jsonl task."""
     prompt_template: str = "Question: {question}\nAnswer:"
+    """How a problem becomes a prompt; {question} is the only field."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _only_the_question_field(cls, value: str) -> str:
+        try:
+            value.format(question="")
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(f"{value!r} may name only {{question}} (found {error})") from None
+        return value
 
 
 class TrainConfig(_Strict):
@@ -175,6 +185,13 @@ class TrainConfig(_Strict):
     prompts_per_step: int = Field(16, ge=1)
     seed: int = 0
     run_dir: str = "runs/latest"
+
+    @field_validator("run_dir")
+    @classmethod
+    def _not_a_file(cls, value: str) -> str:
+        if Path(value).expanduser().is_file():
+            raise ValueError(f"{value} is a file, not a folder")
+        return value
     overwrite: bool = False
     """Replace the outputs of an earlier run in run_dir (otherwise that is an error)."""
 
@@ -240,7 +257,11 @@ def _apply_override(tree: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise QerlError(f"override {override!r}: {part!r} is not a section")
-    node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        problem = str(error).splitlines()[0]
+        raise QerlError(f"override {override!r}: the value is not valid YAML ({problem}); quote it") from None
 
 
 def _first_error(error: ValidationError) -> str:
@@ -258,7 +279,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         if not path.is_file():
             raise QerlError(f"config file not found: {path}")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(read_utf8(path)) or {}
         except yaml.YAMLError as error:
             raise QerlError(f"config {path} is not valid YAML: {str(error).splitlines()[0]}") from None
         if not isinstance(tree, dict):

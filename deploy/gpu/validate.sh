@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU validation on one H200 with vLLM 0.26 (see ../shared/gpu/README.md for the install):
-#   bash .gpu/install.sh install && source .gpu/env.sh && bash deploy/gpu/validate.sh [STAGE ...]
+# GPU validation on one GPU with vLLM 0.26 installed (README: "On a GPU machine"):
+#   bash deploy/gpu/validate.sh [STAGE ...]
 # Stages (default, in this order): tests rollout sync learner train. Opt-in: engine-core compares
 # vLLM's engine core in its own process; levers compares rollout throughput levers (per-request
 # seeds off, separate engine core, fp8 base); lora-tune tunes vLLM's LoRA kernels for the 7B shape

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 
-from shared.errors import QerlError
+from shared.errors import QerlError, read_utf8
 from shared.tasks import Problem
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -52,10 +52,9 @@ class JsonlTask:
         if not path.is_file():
             raise QerlError(f"dataset file not found: {path}")
         problems = []
-        with path.open() as lines:
-            for number, line in enumerate(lines, start=1):
-                if line.strip():
-                    problems.append(_parse_line(path, number, line, prompt_template))
+        for number, line in enumerate(read_utf8(path).splitlines(), start=1):
+            if line.strip():
+                problems.append(_parse_line(path, number, line, prompt_template))
         if not problems:
             raise QerlError(f"dataset {path} has no problems")
         return cls(tuple(problems))
