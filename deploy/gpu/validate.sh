@@ -38,11 +38,11 @@ run() {  # run NAME COMMAND...: log to $out/NAME.log, remember a failure, go on
 lever() {  # lever NAME ARGS...: the 7B rollout bench with extra arguments (flags or overrides)
   local name=$1; shift
   run "rollout_7b_$name" qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --concurrency 16,64,256 \
-      --prompt-len 256 --gen-len 512 --peer-format nf4 --json "$out/rollout_7b_$name.json" "$@"
+      --prompt-len 256 --gen-len 512 --peer-format nf4 --formats bf16 --json "$out/rollout_7b_$name.json" "$@"
 }
 separate=(rollout.in_process=false)
 unseeded=(rollout.request_seeds=false)
-fp8=(rollout.quantization=fp8)
+fp8=(--formats nf4-fp8)  # a later --formats wins over lever's bf16
 tuned=(rollout.lora_kernel_configs="$kernels")
 for stage in ${*:-tests rollout sync learner train}; do
   case $stage in
