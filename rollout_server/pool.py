@@ -57,13 +57,13 @@ class RolloutPool:
             log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s{memory})")
 
     def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
-        """Start generating: one contiguous shard of the prompts per worker."""
+        """Start generating: one contiguous shard of the prompts per worker (each prompt's sampling
+        seed follows from its index in the whole batch, whichever worker serves it)."""
         pending = []
         for index, (start, stop) in enumerate(_contiguous_shards(len(prompts), len(self.workers))):
             if stop == start:
                 continue
-            shard_sampling = replace(sampling, seed=sampling.seed + 7919 * index)
-            ref = self.workers[index].generate.remote(prompts[start:stop], shard_sampling)
+            ref = self.workers[index].generate.remote(prompts[start:stop], sampling, start)
             pending.append(PendingShard(ref, start, index))
         return pending
 

@@ -107,21 +107,27 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "start_s": round(self.start_s, 2), "pid": os.getpid(),
                 "gpu_memory_gib": gpu_gib}
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_prompt: int = 0) -> list[Completion]:
+        """n completions of each prompt; prompt i of this shard is prompt `first_prompt + i` of the
+        whole batch, and its sampling seed comes from that global index (`prompt_seed`), so a
+        run's samples do not depend on how its prompts were sharded across workers."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.lora.request import LoRARequest
 
         from rollout_server.vllm_internals import IN_MEMORY_LORA_PATH
 
-        params = SamplingParams(
-            n=sampling.samples_per_prompt,
-            temperature=sampling.temperature,
-            max_tokens=sampling.max_new_tokens,
-            logprobs=0,
-            seed=sampling.seed if self.request_seeds else None,
-            ignore_eos=sampling.ignore_eos,
-            detokenize=False,  # the driver decodes what it scores; vLLM would do it per step, in the loop
-        )
+        params = [
+            SamplingParams(
+                n=sampling.samples_per_prompt,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_new_tokens,
+                logprobs=0,
+                seed=prompt_seed(sampling.seed, first_prompt + index) if self.request_seeds else None,
+                ignore_eos=sampling.ignore_eos,
+                detokenize=False,  # the driver decodes what it scores; vLLM would do it per step, in the loop
+            )
+            for index in range(len(prompts))
+        ]
         lora = None
         if self.adapter_version > 0:
             lora = LoRARequest(f"qerl-v{self.adapter_version}", self.adapter_version, IN_MEMORY_LORA_PATH)
@@ -199,6 +205,12 @@ def shared_memory_file(payload: np.ndarray, prefix: str) -> Iterator[str]:
         yield path
     finally:
         os.unlink(path)
+
+
+def prompt_seed(batch_seed: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt: from the batch's seed (the run seed and the step) and
+    the prompt's index in the whole batch, never from which worker serves it."""
+    return (batch_seed * 1_000_003 + prompt_index * 7_919 + 1) % 2**63
 
 
 def _vllm_rank(rank: int) -> int:

@@ -101,6 +101,19 @@ def test_adapter_push_from_memory_changes_outputs_and_version(worker, learner, p
     assert _max_logprob_gap(learner, prompt_ids, after) < PARITY_TOLERANCE[device]
 
 
+def test_samples_follow_the_prompts_global_index_not_the_shard(worker, prompt_ids):
+    """A prompt's sampling seed comes from its index in the whole batch: the same prompts split
+    across shards (as across workers) sample the same tokens, and the same prompt at two
+    indices samples independently (one seed per shard used to give sample i of every prompt
+    the same draws)."""
+    whole = _generate(worker, prompt_ids)
+    tail = ray.get(worker.generate.remote(prompt_ids[2:], SAMPLING, 2))
+    assert [c.token_ids for c in tail] == [c.token_ids for c in whole if c.prompt_index >= 2]
+    repeated = ray.get(worker.generate.remote([prompt_ids[0]] * 2, SAMPLING))
+    first, second = ([c.token_ids for c in repeated if c.prompt_index == i] for i in (0, 1))
+    assert first != second
+
+
 def test_aqn_noise_reaches_vllm_rmsnorm_and_sigma_zero_restores(worker, prompt_ids, tiny_model):
     import json
 
