@@ -22,7 +22,7 @@ from learner.policy import add_policy_lora, load_learner_base, served_base
 from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
 from shared.formats import POLICY_FORMATS, dtype_of
-from shared.types import AdapterUpdate, ServedBase, TrainSample
+from shared.types import AdapterUpdate, ServedBase, TrainSample, contiguous_slices
 
 
 @dataclass(frozen=True)
@@ -87,11 +87,11 @@ class Learner:
         self.model.train()
         old = None if self.config.mini_batches == 1 else self._old_logprobs(samples, temperature)
         sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "tis": 0.0, "clipped": 0.0, "max_diff": 0.0, "grad_norm": 0.0}
-        slices = _split(list(range(len(samples))), self.config.mini_batches)
-        for indices in slices:
+        slices = contiguous_slices(len(samples), min(self.config.mini_batches, len(samples)) or 1)
+        for start, stop in slices:
             self.optimizer.zero_grad(set_to_none=True)
-            old_slice = None if old is None else [old[i] for i in indices]
-            self._accumulate_gradients([samples[i] for i in indices], old_slice, temperature, sums)
+            old_slice = None if old is None else old[start:stop]
+            self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums)
             sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
             self.optimizer.step()
         self.scheduler.step()
@@ -228,18 +228,6 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
 
 def _pairs(samples: list[TrainSample]) -> list[tuple[list[int], list[int]]]:
     return [(s.prompt_ids, s.completion_ids) for s in samples]
-
-
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """`items` in `parts` contiguous slices of near-equal size (none empty)."""
-    parts = min(parts, len(items)) or 1
-    size, extra = divmod(len(items), parts)
-    slices, start = [], 0
-    for index in range(parts):
-        stop = start + size + (1 if index < extra else 0)
-        slices.append(items[start:stop])
-        start = stop
-    return slices
 
 
 def _padded(rows: list, shape: torch.Size) -> torch.Tensor:

@@ -18,7 +18,7 @@ import ray
 from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
 from shared.errors import QerlError
-from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
+from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase, contiguous_slices
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RolloutPool:
         """Start generating: one contiguous shard of the prompts per worker (each prompt's sampling
         seed follows from its index in the whole batch, whichever worker serves it)."""
         pending = []
-        for index, (start, stop) in enumerate(_contiguous_shards(len(prompts), len(self.workers))):
+        for index, (start, stop) in enumerate(contiguous_slices(len(prompts), len(self.workers))):
             if stop == start:
                 continue
             ref = self.workers[index].generate.remote(prompts[start:stop], sampling, start)
@@ -118,13 +118,3 @@ def root_cause(error: BaseException) -> str:
     causes = [line for line in lines if re.match(r"^[\w.]*(Error|Exception|OutOfMemoryError)\b", line)]
     cause = (causes or lines or [type(error).__name__])[-1][:400]
     return cause.removeprefix("shared.errors.QerlError: ")  # already a message meant for the user
-
-
-def _contiguous_shards(count: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for index in range(parts):
-        stop = start + base + (1 if index < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds

@@ -7,6 +7,18 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def contiguous_slices(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `parts` contiguous slices of range(count), sizes differing by at most 1
+    (the first ones longer; some are empty when parts > count)."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for index in range(parts):
+        stop = start + base + (1 if index < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     samples_per_prompt: int
