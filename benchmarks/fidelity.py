@@ -25,7 +25,7 @@ from benchmarks.common import environment_facts, print_table, write_json
 from benchmarks.workers import started_ray
 from learner.actor import Learner, LearnerSpec, build_learner
 from rollout_server.pool import RolloutPool
-from rollout_server.vllm_internals import installed_vllm_version
+from rollout_server.vllm_internals import serving_problem
 from shared.config import QerlConfig
 from shared.errors import QerlError
 from shared.formats import POLICY_FORMATS
@@ -46,7 +46,6 @@ def bench_fidelity(config: QerlConfig, args: FidelityBenchArgs, log=print) -> di
 
     from deploy.train import resolve_model_path
 
-    device, version = config.rollout.device(), installed_vllm_version()
     formats = args.formats or tuple(POLICY_FORMATS)
     unknown = [f for f in formats if f not in POLICY_FORMATS]
     if unknown:
@@ -58,8 +57,7 @@ def bench_fidelity(config: QerlConfig, args: FidelityBenchArgs, log=print) -> di
     rows, skipped = [], {}
     with started_ray(config.rollout), tempfile.TemporaryDirectory(prefix="qerl-fidelity-") as scratch:
         for policy_format in formats:
-            problem = POLICY_FORMATS[policy_format].serves_on(device, config.rollout.engine_dtype(policy_format),
-                                                              version)
+            problem = serving_problem(policy_format, config.rollout)
             if problem and args.formats:
                 raise QerlError(problem)
             if problem:

@@ -197,9 +197,9 @@ def bench_lora_kernels(config: QerlConfig, args: LoraKernelBenchArgs, log=print)
     if not torch.cuda.is_available():
         raise QerlError("qerl bench lora-kernels tunes vLLM's CUDA kernels: it needs a CUDA GPU")
     from benchmarks.vllm_lora_kernels import LoraKernel
-    from rollout_server.vllm_internals import check_vllm_version
+    from rollout_server.vllm_internals import vllm_line
 
-    check_vllm_version()
+    vllm_line()
     folder, _ = resolve_bench_model(args.shape, config)
     linears, layers = lora_linears(folder)
     rank = config.lora.rank

@@ -30,7 +30,7 @@ from benchmarks.shapes import quantized_shape_folder
 from benchmarks.workers import BenchWorker, bench_rollout_config, started_ray
 from learner.policy import PACKED_SCHEMES, packed_folder
 from rollout_server.pool import RolloutPool
-from rollout_server.vllm_internals import installed_vllm_version
+from rollout_server.vllm_internals import serving_problem
 from shared.config import QerlConfig, RolloutConfig
 from shared.errors import QerlError
 from shared.formats import DTYPES, POLICY_FORMATS
@@ -167,8 +167,7 @@ def bench_rollout(config: QerlConfig, args: RolloutBenchArgs, log=print) -> dict
 def _check_servable(policy_format: str, rollout: RolloutConfig) -> None:
     if policy_format not in POLICY_FORMATS:
         raise QerlError(f"--formats {policy_format}: not one of {', '.join(POLICY_FORMATS)}")
-    problem = POLICY_FORMATS[policy_format].serves_on(rollout.device(), rollout.engine_dtype(policy_format),
-                                                       installed_vllm_version())
+    problem = serving_problem(policy_format, rollout)
     if problem:
         raise QerlError(problem)
 

@@ -24,7 +24,7 @@ from learner.actor import LearnerActor, LearnerSpec
 from learner.losses import group_advantages
 from learner.model import check_model_folder
 from rollout_server.pool import RolloutPool, ready_or_error
-from rollout_server.vllm_internals import installed_vllm_version
+from rollout_server.vllm_internals import serving_problem
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
 from shared.errors import QerlError
@@ -69,7 +69,7 @@ def start_run(config: QerlConfig, log=print) -> Run:
     if (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
         raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir or set train.overwrite=true")
     task = build_task(config.task)
-    problem = config.policy.pair().serves_on(config.rollout.device(), config.engine_dtype(), installed_vllm_version())
+    problem = serving_problem(config.policy.format, config.rollout)
     if problem:  # before any engine starts
         raise QerlError(problem)
     model_path = resolve_model_path(config, log)

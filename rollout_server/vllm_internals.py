@@ -21,6 +21,7 @@ calls `qerl_init` once, right after the engine starts, to create the extension's
 
 from __future__ import annotations
 
+import functools
 import mmap
 import time
 from dataclasses import dataclass, field
@@ -29,19 +30,21 @@ import numpy as np
 import torch
 
 from shared.adapter_payload import decode_adapter
+from shared.config import RolloutConfig
+from shared.formats import POLICY_FORMATS, release_line
 
 SUPPORTED_VLLM_LINES = ("0.26", "0.32")
 IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; never read
 
 
+@functools.cache  # asked at every adapter push; the installed version does not change
 def vllm_line() -> str:
-    """The tested vLLM line this process runs ("0.26" or "0.32"); an error for any other."""
-    import vllm
-
-    line = ".".join(vllm.__version__.split(".")[:2])
+    """The tested vLLM line installed here ("0.26" or "0.32"); an error for any other."""
+    version = installed_vllm_version()
+    line = release_line(version)
     if line not in SUPPORTED_VLLM_LINES:
         raise RuntimeError(
-            f"qerl's engine extension is tested on vLLM {', '.join(SUPPORTED_VLLM_LINES)}, found {vllm.__version__}"
+            f"qerl's engine extension is tested on vLLM {', '.join(SUPPORTED_VLLM_LINES)}, found {version}"
         )
     return line
 
@@ -58,11 +61,11 @@ def installed_vllm_version() -> str:
     raise RuntimeError("vLLM is not installed: install qerl with its cpu or gpu extra")
 
 
-def check_vllm_version() -> str:
-    import vllm
-
-    vllm_line()
-    return vllm.__version__
+def serving_problem(policy_format: str, rollout: RolloutConfig) -> str | None:
+    """Why the installed vLLM cannot serve `policy_format` on the workers the config asks for
+    (one line), or None when it can; checked before any engine starts."""
+    pair = POLICY_FORMATS[policy_format]
+    return pair.serves_on(rollout.device(), rollout.engine_dtype(policy_format), installed_vllm_version())
 
 
 def shutdown_engine(llm) -> None:

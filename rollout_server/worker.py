@@ -62,7 +62,7 @@ class RolloutWorker:
     """Create it as a Ray actor with `worker_actor_options`: vLLM reads that environment."""
 
     def __init__(self, worker_id: int, served: ServedBase, config: RolloutConfig, max_lora_rank: int):
-        from rollout_server.vllm_internals import check_vllm_version
+        from rollout_server.vllm_internals import vllm_line
 
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet
@@ -75,7 +75,7 @@ class RolloutWorker:
         warnings.filterwarnings("ignore", category=FutureWarning)
         from vllm import LLM
 
-        check_vllm_version()
+        vllm_line()  # refuses an untested vLLM before the engine starts
         started = time.perf_counter()
         self.llm = LLM(
             model=served.path,

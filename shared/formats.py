@@ -114,7 +114,7 @@ class PolicyFormat:
         """None when vLLM `vllm_version` can serve this pair on `device` in `engine_dtype`, else
         why not (one line naming the format, the vLLM version and the device)."""
         where = f"vLLM {vllm_version} on {device}"
-        if ".".join(vllm_version.split(".")[:2]) not in self.vllm_lines:
+        if release_line(vllm_version) not in self.vllm_lines:
             lines = ", ".join(self.vllm_lines)
             return f"policy.format {self.name} cannot be served by {where} (only by vLLM {lines})"
         if device == "cpu" and self.engine in ("int4", "nvfp4") and "cpu" in self.devices \
@@ -128,6 +128,11 @@ class PolicyFormat:
             return (f"policy.format {self.name} cannot be served by {where} in {engine_dtype}: "
                     f"set rollout.dtype to {' or '.join(self.engine_dtypes)}")
         return None
+
+
+def release_line(version: str) -> str:
+    """"0.26" of "0.26.0": the part of a vLLM version its internals follow."""
+    return ".".join(version.split(".")[:2])
 
 
 def vllm_cpu_has_int4_kernel() -> bool:
