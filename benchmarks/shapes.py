@@ -44,8 +44,10 @@ def quantization_config(scheme: str, group_size: int) -> dict:
     symmetric, group scales) or NVFP4 weight-only folder, `lm_head` left dense."""
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
 
-    packing = "pack-quantized" if scheme == "int4" else "nvfp4-pack-quantized"
-    preset = preset_name_to_scheme("W4A16" if scheme == "int4" else "NVFP4A16", ["Linear"])
+    from learner.quantized_folder import FORMATS
+
+    preset_name, packing = FORMATS[scheme]
+    preset = preset_name_to_scheme(preset_name, ["Linear"])
     preset.format = packing  # as compressed-tensors writes it for a quantized model
     if scheme == "int4":
         preset.weights.group_size = group_size

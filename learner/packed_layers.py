@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from learner.quantized_folder import FORMATS
+
 # e2m1 magnitudes by 3-bit code (compressed-tensors' kE2M1ToFloat)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -122,7 +124,7 @@ def load_packed_base(folder: str | Path, device: str = "cpu", compute_dtype: tor
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     quant = json.loads((folder / "config.json").read_text())["quantization_config"]
-    nvfp4 = quant["format"] == "nvfp4-pack-quantized"
+    nvfp4 = quant["format"] == FORMATS["nvfp4"][1]
     group = next(iter(quant["config_groups"].values()))["weights"].get("group_size") or 16
     config.quantization_config = None
     with torch.device("meta"):

@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from learner.model import add_lora, check_model_folder, export_rollout_base, load_base
+from learner.quantized_folder import FORMATS, quantized_folder
 from shared.config import LoraConfig, PolicyConfig
 from shared.formats import POLICY_FORMATS, dtype_of
 from shared.tiny_model import cache_root
 from shared.types import ServedBase
 
-PACKED_SCHEMES = {"int4": "int4", "nvfp4": "nvfp4"}  # base format -> quantizer scheme
+PACKED_SCHEMES = tuple(FORMATS)  # the base formats held as packed 4-bit tensors
 
 
 def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
@@ -32,8 +33,7 @@ def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
     quant = config.get("quantization_config") or {}
     if quant.get("quant_method") != "compressed-tensors":
         return False
-    expected = "pack-quantized" if scheme == "int4" else "nvfp4-pack-quantized"
-    if quant.get("format") != expected:
+    if quant.get("format") != FORMATS[scheme][1]:
         return False
     groups = {group.get("weights", {}).get("group_size") for group in quant.get("config_groups", {}).values()}
     return scheme == "nvfp4" or groups == {group_size}
@@ -43,13 +43,10 @@ def packed_folder(source: Path, base_format: str, policy: PolicyConfig, engine_d
     """The compressed-tensors folder of `source` in `base_format` (int4/nvfp4): the source itself
     when it already is one, else written once into the qerl cache, its scales and dense tensors
     in the engines' dtype unless policy.scale_dtype says otherwise."""
-    from learner.quantized_folder import quantized_folder
-
-    scheme = PACKED_SCHEMES[base_format]
-    if is_packed_folder(source, scheme, policy.group_size):
+    if is_packed_folder(source, base_format, policy.group_size):
         return source
     scale_dtype = engine_dtype if policy.scale_dtype == "auto" else policy.scale_dtype
-    return quantized_folder(source, scheme, policy.group_size, dtype_of(scale_dtype), cache_root() / "quantized",
+    return quantized_folder(source, base_format, policy.group_size, dtype_of(scale_dtype), cache_root() / "quantized",
                             log=log)
 
 

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from learner.model import check_model_folder
 from shared.errors import QerlError
 
 RECIPE_VERSION = 2  # 2: NVFP4 global scales shared across fused layers
 MANIFEST = "qerl_quantized.json"
 _CHECKSUM_SPAN = 4 * 2**20  # bytes hashed at each end of a file: catches truncation and garbled headers
+# scheme (the base format's name) -> (compressed-tensors preset, packing format written to disk)
 FORMATS = {"int4": ("W4A16", "pack-quantized"), "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized")}
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "vocab.json", "merges.txt", "chat_template.jinja")
@@ -77,13 +79,7 @@ def quantized_folder(source: str | Path, scheme: str, group_size: int, dtype: to
 
 
 def _check_source(source: Path) -> None:
-    config = source / "config.json"
-    if not config.is_file():
-        raise QerlError(f"model path {source} is not a Hugging Face model folder (no config.json)")
-    try:
-        json.loads(config.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise QerlError(f"{config} is not valid JSON ({error})") from None
+    check_model_folder(source)  # config.json present, JSON, a known model_type
     if not list(source.glob("*.safetensors")):
         raise QerlError(f"model path {source} has no .safetensors weights to quantize")
 

@@ -81,7 +81,7 @@ def test_a_broken_source_folder_is_a_one_line_error(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(QerlError, match="config.json is not valid JSON"):
         quantized_folder(tmp_path, "int4", 64, torch.float16, tmp_path / "cache")
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     with pytest.raises(QerlError, match="no .safetensors weights"):
         quantized_folder(tmp_path, "int4", 64, torch.float16, tmp_path / "cache")
 
