@@ -19,8 +19,6 @@ import tempfile
 from dataclasses import asdict, dataclass
 from random import Random
 
-import ray
-
 from benchmarks.common import environment_facts, print_table, write_json
 from benchmarks.workers import started_ray
 from learner.actor import Learner, LearnerSpec, build_learner
@@ -114,4 +112,4 @@ def _move_lora(learner: Learner, pool: RolloutPool, prompt_ids: list[list[int]],
         samples = [TrainSample(prompt_ids[c.prompt_index], c.token_ids, c.logprobs, 1.0 if i % 2 else -1.0)
                    for i, c in enumerate(completions)]
         learner.train_step(samples, sampling.temperature)
-    pool.update_adapter(ray.put(learner.export_adapter()))
+    pool.update_adapter(learner.export_adapter())  # the pool puts it in the object store once

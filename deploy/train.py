@@ -23,7 +23,7 @@ from deploy.ray_cluster import connect_ray
 from learner.actor import LearnerActor, LearnerSpec
 from learner.losses import group_advantages
 from learner.model import check_model_folder
-from rollout_server.pool import RolloutPool, ready_or_error
+from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error
 from rollout_server.vllm_internals import serving_problem
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
@@ -89,8 +89,7 @@ def start_run(config: QerlConfig, log=print) -> Run:
         if config.train.overwrite:
             _remove_run_outputs(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
-        memory = f", {info['gpu_memory_gib']:.1f} GiB on the GPU" if info["gpu_memory_gib"] else ""
-        log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{memory})")
+        log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
         pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log)
     except BaseException:
         if started_ray:

@@ -53,8 +53,8 @@ class RolloutPool:
         ]
         for index, worker in enumerate(self.workers):
             info = ready_or_error(worker, f"rollout worker {index}")
-            memory = f", {info['gpu_memory_gib']:.1f} GiB on the GPU" if info["gpu_memory_gib"] else ""
-            log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s{memory})")
+            log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s"
+                f"{gpu_memory_note(info)})")
 
     def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
         """Start generating: one contiguous shard of the prompts per worker (each prompt's sampling
@@ -110,6 +110,11 @@ def ready_or_error(actor, name: str) -> dict:
         return ray.get(actor.ready.remote())
     except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
         raise QerlError(f"{name} could not start: {root_cause(error)}") from None
+
+
+def gpu_memory_note(ready: dict) -> str:
+    """", N GiB on the GPU" from an actor's ready() answer; empty off the GPU."""
+    return f", {ready['gpu_memory_gib']:.1f} GiB on the GPU" if ready["gpu_memory_gib"] else ""
 
 
 def root_cause(error: BaseException) -> str:
