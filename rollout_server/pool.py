@@ -28,7 +28,6 @@ class PendingShard:
 
     ref: ray.ObjectRef
     first_prompt: int
-    worker_index: int
 
 
 @dataclass
@@ -64,7 +63,7 @@ class RolloutPool:
             if stop == start:
                 continue
             ref = self.workers[index].generate.remote(prompts[start:stop], sampling, start)
-            pending.append(PendingShard(ref, start, index))
+            pending.append(PendingShard(ref, start))
         return pending
 
     def collect(self, pending: list[PendingShard]) -> list[Completion]:
