@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 KERNEL_KINDS = [
     ("lora", re.compile(r"lora", re.I)),
     ("attention", re.compile(r"flash|attn|attention|fmha|paged", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk", re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk|marlin|machete|wna16", re.I)),
     ("sampling", re.compile(r"softmax|topk|top_k|sort|multinomial|exponential|argmax|log_softmax|gumbel", re.I)),
     ("norm/activation", re.compile(r"norm|silu|act_and_mul|rotary|rope", re.I)),
     ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),

@@ -8,7 +8,7 @@
 # compares the 7B rollout with vLLM's default LoRA kernels and configs/lora-kernels, bf16;
 # lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
 # cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
-# and without; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
+# and without, profile-4bit the same for bf16 and int4 side by side; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
 # levers added one at a time (tuned LoRA kernels, then an fp8 KV cache); formats measures the 7B
 # rollout in bf16, int4 and NVFP4 side by side, int4-levers the int4 engine with Marlin forced and
 # with dual-stream LoRA, formats-32b bf16 vs int4 at 32B; fidelity compares every policy pair on
@@ -85,6 +85,9 @@ for stage in ${*:-tests rollout sync learner train}; do
       lever fp8_separate --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}"
       lever fp8_separate_fp8kv --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}" \
           rollout.kv_cache_dtype=fp8 ;;
+    profile-4bit)
+      # where a 64-sequence decode step of the int4 engine goes, beside bf16 in the same run
+      lever profiled_formats --formats bf16,int4 --peer-concurrency "" --concurrency 64 --profile "$out/profile_formats" ;;
     profile)
       lever profiled --peer-concurrency "" --concurrency 64 --profile "$out/profile_lora"
       lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --no-adapter \
@@ -112,7 +115,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           lora.rank=8 lora.alpha=16 policy.group_size=64 --json "$out/fidelity_tiny.json" ;;
     memory32b)
       # learner and one worker of a 32B-shaped int4 pair on one GPU, random packed weights
-      python3 -m benchmarks.shapes qwen2.5-32b /tmp/qwen2.5-32b-int4 --packed int4 > "$out/write_32b.log" 2>&1
+      run write_32b_int4 python3 -m benchmarks.shapes qwen2.5-32b /tmp/qwen2.5-32b-int4 --packed int4
       run train_32b_int4 qerl train --config configs/qwen2.5-32b_int4_gpu_memory.yaml \
           model.path=/tmp/qwen2.5-32b-int4 train.run_dir=/tmp/qerl-32b train.overwrite=true
       cp /tmp/qerl-32b/metrics.jsonl "$out/train_32b_int4_metrics.jsonl" 2>/dev/null ;;
@@ -125,7 +128,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile ratio formats int4-levers formats-32b fidelity memory32b)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity memory32b)"; exit 2 ;;
   esac
 done
 exit $status
