@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+
+from shared.errors import QerlError
 
 
 class MetricsWriter:
@@ -37,9 +40,42 @@ def format_step_line(record: dict) -> str:
     )
 
 
-def reward_trend_line(records: list[dict]) -> str:
-    """Mean reward over the first and the last tenth of the steps: did it learn?"""
+def reward_trend(records: list[dict]) -> tuple[int, float, float]:
+    """(window, mean reward of the first `window` steps, of the last): window = a tenth, at least 1.
+    One definition for the end-of-training line and `qerl report`, so their figures agree."""
     window = max(1, len(records) // 10)
     first = sum(r["rollout/reward_mean"] for r in records[:window]) / window
     last = sum(r["rollout/reward_mean"] for r in records[-window:]) / window
+    return window, first, last
+
+
+def reward_trend_line(records: list[dict]) -> str:
+    """Mean reward over the first and the last tenth of the steps: did it learn?"""
+    window, first, last = reward_trend(records)
     return f"[qerl] mean reward, first {window} steps: {first:.3f} -> last {window} steps: {last:.3f}"
+
+
+class TensorBoardWriter:
+    """The same records as TensorBoard scalars (optional: the `tensorboard` extra), one per
+    numeric metric at x = record["step"]; the key's namespace becomes TensorBoard's tag group."""
+
+    def __init__(self, log_dir: str | Path):
+        # torch.utils.tensorboard imports the tensorboard package itself; check first so a
+        # missing extra is a one-line QerlError, not torch's ImportError traceback
+        if importlib.util.find_spec("tensorboard") is None:
+            raise QerlError(
+                "train.tensorboard: the tensorboard package is not installed (pip install 'qerl[tensorboard]')"
+            )
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            # bools are ints to Python but flags, not curves; strings and lists are not scalars
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self._writer.close()
