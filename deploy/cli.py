@@ -1,14 +1,18 @@
-"""The `qerl` command. Every subcommand reads a run config the same way: `--config FILE` plus
-`section.key=value` overrides (YAML values).
+"""The `qerl` command. `train` and `bench` read a run config the same way: `--config FILE` plus
+`section.key=value` overrides (YAML values); `report` reads only finished or running run folders.
 
     qerl train --config configs/tiny_cpu.yaml [section.key=value ...]
+    qerl train --resume RUN_DIR [train.steps=N ...]
+    qerl eval (--config FILE | RUN_DIR) [--adapter PEFT_FOLDER] [section.key=value ...]
     qerl bench rollout|sync|learner|lora-kernels [--config FILE] [--shape NAME] [sweep flags] [overrides]
+    qerl report RUN_DIR [RUN_DIR ...] [--out PNG]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from shared.errors import QerlError
 
@@ -27,9 +31,22 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = _OneLineErrors(prog="qerl", description="RL fine-tuning of LLMs on 4-bit bases (QeRL).")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrors)
-    train = commands.add_parser("train", help="run GRPO training with vLLM rollout workers on Ray")
-    train.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    train = commands.add_parser("train", help="run GRPO/DAPO training with vLLM rollout workers on Ray")
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="YAML run config (see configs/)")
+    source.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=10")
+    evaluation = commands.add_parser("eval", help="greedy accuracy and pass@k of an adapter on held-out problems")
+    evaluation.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                            help="a run folder: its config, and its final adapter (else its latest checkpoint's)")
+    evaluation.add_argument("--config", help="YAML run config, with --adapter")
+    evaluation.add_argument("--adapter", metavar="PEFT_FOLDER", help="the adapter to evaluate")
+    evaluation.add_argument("--json", help="also write the results to this file")
+    evaluation.set_defaults(overrides=[])
+    report = commands.add_parser("report", help="plot runs' curves from their metrics.jsonl into one PNG")
+    report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders, overlaid")
+    report.add_argument("--out", type=Path, metavar="PNG", help="default: <first RUN_DIR>/report.png")
+    report.set_defaults(overrides=[])  # parse_args collects stray key=value tokens into overrides
     bench = commands.add_parser("bench", help="rollout, adapter-sync, learner and LoRA-kernel benchmarks")
     add_bench_parsers(bench)
     return parser
@@ -43,12 +60,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
+    if args.command == "eval":
+        if args.run_dir and "=" in args.run_dir:  # an override, not a folder
+            args.overrides, args.run_dir = [args.run_dir, *args.overrides], None
+        if bool(args.run_dir) == bool(args.config):
+            parser.error("eval takes a RUN_DIR or --config FILE (one of them)")
+        if args.config and not args.adapter:
+            parser.error("eval --config needs --adapter PEFT_FOLDER")
+    if args.command == "report" and args.overrides:
+        parser.error(f"report takes no section.key=value overrides: {' '.join(args.overrides)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.command == "report":  # no config: it reads the run folders only
+            from deploy.report import report
+
+            report(args.run_dirs, args.out)
+            return 0
         from shared.config import load_config
 
         if args.command == "bench":
@@ -56,13 +87,35 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args)
             return 0
-        config = load_config(args.config, args.overrides)
-        from deploy.train import train
+        if args.command == "eval":
+            return _evaluate(args)
+        from deploy.train import Stopped, resume, train
 
-        train(config)
+        try:
+            if args.resume:
+                resume(args.resume, args.overrides)
+            else:
+                train(load_config(args.config, args.overrides))
+        except Stopped as stopped:
+            print(f"qerl: {stopped}", file=sys.stderr)
+            return stopped.exit_code
     except QerlError as error:
         print(f"qerl: error: {error}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from deploy.evaluate import eval_adapter_folder, eval_config, format_eval_line, run_eval
+
+    config = eval_config(args.run_dir, args.config, args.overrides)
+    folder = eval_adapter_folder(args.run_dir, args.adapter)
+    record = run_eval(config, folder)
+    print(format_eval_line(record))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"adapter": str(folder), **record}, indent=2) + "\n")
     return 0
 
 

@@ -1,17 +1,23 @@
 """`qerl train`: the QeRL loop, one plain function that reads top to bottom.
 
 Each step, in named parts: `collect` (AQN sigma -> rollout workers, vLLM with the current
-adapter and noised RMSNorm, sample n completions per prompt) -> `score` (task rewards,
-group-normalised advantages) -> `learn` (the learner's optimizer steps: NF4 base + LoRA,
+adapter and noised RMSNorm, n completions per prompt; under DAPO's dynamic sampling, groups
+with no reward spread are dropped and refilled) -> `score` (task rewards, the overlong penalty,
+group-normalised advantages) -> `learn` (the learner's optimizer steps: 4-bit base + LoRA,
 truncated importance weights against the rollout logprobs) -> `sync` (the new adapter through
-the object store into every worker, from memory) -> `step_record` (one metrics line).
+the object store into every worker, from memory) -> `step_record` (one metrics line), then the
+optional evaluation and checkpoint. `qerl train --resume RUN_DIR` picks a run up at its last
+checkpoint; SIGINT/SIGTERM stop it at the end of the current step with a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from random import Random
 
@@ -19,18 +25,33 @@ import ray
 import torch
 import yaml
 
+from deploy.checkpoint import (
+    complete_checkpoints,
+    latest_checkpoint,
+    read_checkpoint,
+    remove_partial_checkpoints,
+    steps_done,
+    write_checkpoint,
+)
+from deploy.evaluate import EVAL_SEED_OFFSET, evaluate, format_eval_line
 from deploy.ray_cluster import connect_ray
 from learner.actor import LearnerActor, LearnerSpec
-from learner.losses import group_advantages
+from learner.losses import group_advantages, informative_groups, overlong_penalty
 from learner.model import check_model_folder
 from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error
 from rollout_server.vllm_internals import serving_problem
 from shared.aqn import aqn_sigma
-from shared.config import QerlConfig
+from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
 from shared.metrics import MetricsWriter, format_step_line, read_metrics, reward_trend_line
 from shared.tasks import Problem, Task, build_task
 from shared.types import Completion, SamplingSettings, TrainSample
+
+# Settings a resumed run may change: how many steps, how often to save, evaluate and log, and
+# where the actors run. Anything else would make the resumed run another run.
+RESUMABLE_OVERRIDES = ("train.steps", "train.eval_every", "train.tensorboard", "checkpoint.", "ray.",
+                       "rollout.num_workers", "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker",
+                       "learner.num_cpus", "learner.num_gpus")
 
 
 def resolve_model_path(config: QerlConfig, log=print) -> str:
@@ -44,6 +65,12 @@ def resolve_model_path(config: QerlConfig, log=print) -> str:
     return str(check_model_folder(config.model.path).resolve())
 
 
+def run_identity(config: QerlConfig, model_path: str) -> dict:
+    """What a checkpoint must share with the run that resumes it."""
+    return {"model": model_path, "policy": config.policy.format, "lora_rank": config.lora.rank,
+            "lora_alpha": config.lora.alpha, "lora_targets": config.lora.target_modules}
+
+
 @dataclass
 class Run:
     """The live pieces of a training run: actors, task, tokenizer, output folder."""
@@ -55,6 +82,8 @@ class Run:
     learner: ray.actor.ActorHandle
     pool: RolloutPool
     started_ray: bool
+    identity: dict
+    eval_problems: list[Problem] = field(default_factory=list)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -63,12 +92,14 @@ class Run:
             ray.shutdown()
 
 
-def start_run(config: QerlConfig, log=print) -> Run:
+def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     """Check the inputs, start (or join) Ray, create the learner and the rollout workers."""
     run_dir = Path(config.train.run_dir).resolve()
-    if (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
-        raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir or set train.overwrite=true")
+    if not resuming and (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
+        raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir, set train.overwrite=true "
+                        f"or continue it with qerl train --resume {run_dir}")
     task = build_task(config.task)
+    eval_problems = task.held_out(config.train.eval_problems) if config.train.eval_every else []
     problem = serving_problem(config.policy.format, config.rollout)
     if problem:  # before any engine starts
         raise QerlError(problem)
@@ -86,7 +117,7 @@ def start_run(config: QerlConfig, log=print) -> Run:
         ).remote(spec)
         info = ready_or_error(learner, "the learner")
         # the new run's model has loaded: only now do the previous run's outputs go
-        if config.train.overwrite:
+        if config.train.overwrite and not resuming:
             _remove_run_outputs(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
@@ -95,71 +126,190 @@ def start_run(config: QerlConfig, log=print) -> Run:
         if started_ray:
             ray.shutdown()
         raise
-    return Run(config, run_dir, task, tokenizer, learner, pool, started_ray)
+    return Run(config, run_dir, task, tokenizer, learner, pool, started_ray, run_identity(config, model_path),
+               eval_problems)
 
 
 def _remove_run_outputs(run_dir: Path) -> None:
-    """The previous run's metrics and final adapter (rollout_base/ is the new run's by now)."""
+    """The previous run's metrics, checkpoints and final adapter (rollout_base/ is the new run's by now)."""
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
 
 
 def train(config: QerlConfig, log=print) -> dict:
     """Run the configured training; returns the last step's metrics plus the output paths."""
     run = start_run(config, log)
     try:
-        return train_loop(run, log)
+        return train_loop(run, 0, Random(config.train.seed), log)
     finally:
         run.close()
 
 
+def resume(run_dir: str, overrides: list[str], log=print) -> dict:
+    """Continue the run in `run_dir` from its newest complete checkpoint."""
+    folder = Path(run_dir).resolve()
+    saved_config = folder / "config.yaml"
+    if not saved_config.is_file():
+        raise QerlError(f"{folder} holds no run to resume (no config.yaml)")
+    for override in overrides:
+        key = override.split("=", 1)[0].strip()
+        if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed))
+                   for allowed in RESUMABLE_OVERRIDES):
+            raise QerlError(f"--resume: {key} would change the run's meaning; a resumed run may change only "
+                            f"{', '.join(RESUMABLE_OVERRIDES)}")
+    config = load_config(saved_config, overrides)
+    config = config.model_copy(update={"train": config.train.model_copy(update={"run_dir": str(folder)})})
+    checkpoint = latest_checkpoint(folder)
+    files = read_checkpoint(checkpoint)  # verified before anything starts
+    driver = json.loads(files["driver.json"])
+    identity = run_identity(config, resolve_model_path(config, log=lambda *_: None))
+    if driver["identity"] != identity:
+        differs = ", ".join(k for k in identity if driver["identity"].get(k) != identity[k])
+        raise QerlError(f"checkpoint {checkpoint} belongs to another run ({differs} differ from {saved_config})")
+    done = steps_done(checkpoint)
+    if done >= config.train.steps:
+        raise QerlError(f"{folder} already ran its {config.train.steps} steps; raise train.steps to go on")
+    remove_partial_checkpoints(folder)
+    run = start_run(config, log, resuming=True)
+    try:
+        try:
+            ray.get(run.learner.load_checkpoint_files.remote(files))
+        except ray.exceptions.RayTaskError as error:
+            raise QerlError(f"checkpoint {checkpoint} does not fit this model: {error.cause}") from None
+        run.pool.update_adapter(run.learner.export_adapter.remote())
+        _keep_metrics_before(folder / "metrics.jsonl", done)
+        rng = Random()
+        state = driver["sampler_state"]
+        rng.setstate((state[0], tuple(state[1]), state[2]))
+        log(f"[qerl] resuming {folder} after step {done - 1} from {checkpoint.name}")
+        return train_loop(run, done, rng, log)
+    finally:
+        run.close()
+
+
+def _keep_metrics_before(path: Path, step: int) -> None:
+    """Drop the metrics lines of steps the checkpoint does not cover (a killed run may have
+    logged a step after its last checkpoint); rewritten atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text("".join(line + "\n" for line in kept))
+    os.replace(temporary, path)
+
+
+@dataclass
+class Group:
+    """One prompt and its n sampled completions, with their rewards once scored."""
+
+    problem: Problem
+    prompt_ids: list[int]
+    completions: list[Completion]
+    rewards: list[float] = field(default_factory=list)
+
+
 @dataclass
 class Rollouts:
-    """One step's sampled batch: the problems, their prompt ids and every completion."""
+    """One step's groups to train on, and how they were obtained."""
 
-    problems: list[Problem]
-    prompt_ids: list[list[int]]
-    completions: list[Completion]
+    groups: list[Group]
+    first_call: list[Group]
+    """The first generate call's groups: the unbiased sample of the policy the rollout/* metrics describe."""
     sigma: float
     seconds: float
+    generate_calls: int = 1
+    groups_dropped: int = 0
+    reward_errors: int = 0
 
 
-@dataclass
-class Scored:
-    rewards: torch.Tensor
-    """[prompts * n], in completion order."""
-    samples: list[TrainSample]
+def _generate_groups(run: Run, problems: list[Problem], sampling: SamplingSettings) -> list[Group]:
+    prompt_ids = run.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    groups = [Group(problem, ids, []) for problem, ids in zip(problems, prompt_ids)]
+    for completion in run.pool.generate(prompt_ids, sampling):
+        groups[completion.prompt_index].completions.append(completion)
+    return groups
 
 
 def collect(run: Run, step: int, rng: Random) -> Rollouts:
-    """Set this step's AQN noise, sample prompts and generate n completions for each."""
+    """Set this step's AQN noise, sample prompts, generate n completions for each and score
+    them; with dynamic sampling, replace groups that carry no signal (bounded extra calls)."""
     config = run.config
     sigma = aqn_sigma(config.aqn, step, config.train.steps)
     run.pool.set_noise(sigma, seed=config.train.seed * 1_000_003 + step)
-    problems = run.task.sample(rng, config.train.prompts_per_step)
-    prompt_ids = run.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-    sampling = SamplingSettings(config.rollout.samples_per_prompt, config.rollout.temperature,
-                                config.rollout.max_new_tokens, seed=config.train.seed * 1_000_003 + step * 101)
+    wanted = config.train.prompts_per_step
     started = time.perf_counter()
-    completions = run.pool.generate(prompt_ids, sampling)
-    return Rollouts(problems, prompt_ids, completions, sigma, time.perf_counter() - started)
+
+    def generate(count: int, call: int) -> list[Group]:
+        seed = config.train.seed * 1_000_003 + step * 101 + call  # call < 101: max_refill_calls <= 100
+        sampling = SamplingSettings(config.rollout.samples_per_prompt, config.rollout.temperature,
+                                    config.rollout.max_new_tokens, seed=seed)
+        return _generate_groups(run, run.task.sample(rng, count), sampling)
+
+    first = generate(wanted, 0)
+    errors = score(run, first)
+    rollouts = Rollouts(first, first, sigma, 0.0, reward_errors=errors)
+    if config.learner.uses_dynamic_sampling():
+        kept = _informative(first)
+        rollouts.groups_dropped = len(first) - len(kept)
+        while len(kept) < wanted and rollouts.generate_calls <= config.learner.max_refill_calls:
+            extra = generate(wanted - len(kept), rollouts.generate_calls)
+            rollouts.generate_calls += 1
+            rollouts.reward_errors += score(run, extra)
+            informative = _informative(extra)
+            rollouts.groups_dropped += len(extra) - len(informative)
+            kept += informative
+        rollouts.groups = kept[:wanted]
+    rollouts.seconds = time.perf_counter() - started
+    return rollouts
 
 
-def score(run: Run, rollouts: Rollouts) -> Scored:
-    """Task rewards, group-normalised advantages and the learner's samples."""
-    texts = run.tokenizer.batch_decode([c.token_ids for c in rollouts.completions], skip_special_tokens=True)
-    problems = rollouts.problems
-    rewards = torch.tensor([run.task.reward(problems[c.prompt_index], t) for c, t in zip(rollouts.completions, texts)])
-    advantages = group_advantages(rewards.view(len(problems), run.config.rollout.samples_per_prompt)).flatten()
-    samples = [
-        TrainSample(rollouts.prompt_ids[c.prompt_index], c.token_ids, c.logprobs, float(a))
-        for c, a in zip(rollouts.completions, advantages)
+def _informative(groups: list[Group]) -> list[Group]:
+    keep = informative_groups(torch.tensor([g.rewards for g in groups])) if groups else []
+    return [g for g, k in zip(groups, keep) if k]
+
+
+def score(run: Run, groups: list[Group]) -> int:
+    """Each completion's task reward (0 where the reward function raised; returns how many did)
+    plus the overlong penalty."""
+    config = run.config
+    texts = run.tokenizer.batch_decode([c.token_ids for g in groups for c in g.completions], skip_special_tokens=True)
+    buffer = config.learner.overlong_tokens(config.rollout.max_new_tokens)
+    errors, position = 0, 0
+    for group in groups:
+        group.rewards = []
+        for completion in group.completions:
+            text = texts[position]
+            position += 1
+            try:
+                reward = float(run.task.reward(group.problem, text))
+            except Exception as error:  # one bad sample must not end a week-long run
+                if errors == 0:
+                    print(f"[qerl] reward function failed on {text!r}: {type(error).__name__}: {error} (scored 0)")
+                errors += 1
+                reward = 0.0
+            penalty = overlong_penalty(len(completion.token_ids), config.rollout.max_new_tokens, buffer,
+                                       config.learner.overlong_penalty)
+            group.rewards.append(reward + penalty)
+    return errors
+
+
+def training_samples(groups: list[Group], n: int) -> list[TrainSample]:
+    """Group-normalised advantages, one TrainSample per completion."""
+    if not groups:
+        return []
+    advantages = group_advantages(torch.tensor([g.rewards for g in groups]).view(len(groups), n))
+    return [
+        TrainSample(g.prompt_ids, c.token_ids, c.logprobs, float(a))
+        for g, row in zip(groups, advantages) for c, a in zip(g.completions, row)
     ]
-    return Scored(rewards, samples)
 
 
-def learn(run: Run, scored: Scored) -> dict[str, float]:
-    return ray.get(run.learner.train_step.remote(scored.samples, run.config.rollout.temperature))
+def learn(run: Run, samples: list[TrainSample]) -> dict[str, float]:
+    if not samples:  # dynamic sampling found no group with a reward spread
+        return {"learner/skipped_steps": 0.0, "learner/tokens": 0.0}
+    return ray.get(run.learner.train_step.remote(samples, run.config.rollout.temperature))
 
 
 def sync(run: Run) -> dict[str, float]:
@@ -169,18 +319,24 @@ def sync(run: Run) -> dict[str, float]:
     return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3, "sync/worker_load_ms_max": max(worker_ms)}
 
 
-def step_record(step: int, rollouts: Rollouts, scored: Scored, learner_stats: dict, sync_stats: dict,
-                step_s: float, n: int) -> dict:
-    completions, rewards = rollouts.completions, scored.rewards
+def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: dict, step_s: float) -> dict:
+    """The step's metrics; rollout/* describe the first generate call (the policy as sampled)."""
+    completions = [c for g in rollouts.first_call for c in g.completions]
+    rewards = torch.tensor([r for g in rollouts.first_call for r in g.rewards])
+    solved = torch.tensor([[r >= 1.0 for r in g.rewards] for g in rollouts.first_call])
     generated = sum(len(c.token_ids) for c in completions)
     return {
         "step": step,
         "rollout/reward_mean": rewards.mean().item(),
-        "rollout/accuracy": (rewards >= 1.0).float().mean().item(),
-        "rollout/pass_at_n": (rewards.view(-1, n).max(1).values >= 1.0).float().mean().item(),
+        "rollout/accuracy": solved.float().mean().item(),
+        "rollout/pass_at_n": solved.any(dim=1).float().mean().item(),
         "rollout/tokens": generated,
         "rollout/tok_per_s": generated / rollouts.seconds,
         "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "rollout/reward_errors": rollouts.reward_errors,
+        "rollout/generate_calls": rollouts.generate_calls,
+        "rollout/groups_dropped": rollouts.groups_dropped,
+        "rollout/groups_trained": len(rollouts.groups),
         "aqn/sigma": rollouts.sigma,
         **sync_stats,
         "adapter/version": completions[0].adapter_version,
@@ -190,24 +346,98 @@ def step_record(step: int, rollouts: Rollouts, scored: Scored, learner_stats: di
     }
 
 
-def train_loop(run: Run, log=print) -> dict:
+def save_checkpoint(run: Run, steps: int, rng: Random, sigma: float) -> Path:
+    """The learner's files and the driver's state, written atomically by the driver."""
+    files = ray.get(run.learner.checkpoint_files.remote())
+    version, sampler = ray.get(run.learner.adapter_version.remote()), rng.getstate()
+    driver = {"steps_done": steps, "adapter_version": version, "sigma": sigma, "identity": run.identity,
+              "sampler_state": [sampler[0], list(sampler[1]), sampler[2]]}
+    files["driver.json"] = json.dumps(driver).encode()
+    return write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM ask the loop to stop at the end of the current step (with a checkpoint);
+    a second signal stops at once."""
+
+    def __init__(self, log):
+        self.log, self.signal_name, self._previous = log, None, {}
+
+    def __enter__(self) -> StopOnSignal:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def _handle(self, number, frame) -> None:
+        if self.signal_name is not None:
+            raise KeyboardInterrupt(signal.Signals(number).name)
+        self.signal_name = signal.Signals(number).name
+        self.log(f"[qerl] {self.signal_name}: stopping after this step (send it again to stop at once)")
+
+
+def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
+    config = run.config
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl")
-    rng = Random(run.config.train.seed)
+    tensorboard = _tensorboard(run) if config.train.tensorboard else None
     record: dict = {}
+    bad_in_a_row, step, sigma = 0, start_step, 0.0
     try:
-        for step in range(run.config.train.steps):
-            started = time.perf_counter()
-            rollouts = collect(run, step, rng)
-            scored = score(run, rollouts)
-            learner_stats = learn(run, scored)
-            sync_stats = sync(run)
-            record = step_record(step, rollouts, scored, learner_stats, sync_stats, time.perf_counter() - started,
-                                 run.config.rollout.samples_per_prompt)
-            metrics.write(record)
-            log(format_step_line(record))
+        with StopOnSignal(log) as stop:
+            for step in range(start_step, config.train.steps):
+                started = time.perf_counter()
+                rollouts = collect(run, step, rng)
+                sigma = rollouts.sigma
+                learner_stats = learn(run, training_samples(rollouts.groups, config.rollout.samples_per_prompt))
+                sync_stats = sync(run)
+                record = step_record(step, rollouts, learner_stats, sync_stats, time.perf_counter() - started)
+                bad_in_a_row = bad_in_a_row + 1 if learner_stats["learner/skipped_steps"] else 0
+                if bad_in_a_row:
+                    log(f"[qerl] step {step}: non-finite loss or gradients, optimizer step skipped "
+                        f"({bad_in_a_row} in a row)")
+                last = step + 1 == config.train.steps
+                if config.train.eval_every and ((step + 1) % config.train.eval_every == 0 or last):
+                    record |= evaluate(run.pool, run.tokenizer, run.task, run.eval_problems, config,
+                                       seed=config.train.seed + EVAL_SEED_OFFSET + step)
+                metrics.write(record)
+                if tensorboard:
+                    tensorboard.write(record)
+                log(format_step_line(record))
+                if "eval/accuracy" in record:
+                    log(format_eval_line(record))
+                if bad_in_a_row >= config.learner.max_bad_steps:
+                    kept = complete_checkpoints(run.run_dir)
+                    raise QerlError(f"non-finite loss or gradients in {bad_in_a_row} steps in a row (learner."
+                                    f"max_bad_steps); stopped. Last good checkpoint: "
+                                    f"{kept[-1] if kept else 'none'}")
+                every = config.checkpoint.every
+                if not bad_in_a_row and (last or stop.signal_name or (every and (step + 1) % every == 0)):
+                    save_checkpoint(run, step + 1, rng, sigma)
+                if stop.signal_name and not last:
+                    raise Stopped(stop.signal_name, step, run.run_dir)
         final_adapter = ray.get(run.learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
     finally:
         metrics.close()
+        if tensorboard:
+            tensorboard.close()
     log(reward_trend_line(read_metrics(metrics.path)))
     log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
     return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}
+
+
+class Stopped(Exception):
+    """A signal stopped the run after a checkpoint; `qerl train --resume` continues it."""
+
+    def __init__(self, signal_name: str, step: int, run_dir: Path):
+        super().__init__(f"{signal_name}: stopped after step {step} with a checkpoint; continue with "
+                         f"qerl train --resume {run_dir}")
+        self.exit_code = 128 + signal.Signals[signal_name].value
+
+
+def _tensorboard(run: Run):
+    from shared.metrics import TensorBoardWriter
+
+    return TensorBoardWriter(run.run_dir / "tensorboard")

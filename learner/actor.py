@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from learner.logprobs import completion_logprobs
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.policy import add_policy_lora, load_learner_base, served_base
+from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
 from shared.formats import POLICY_FORMATS, dtype_of
@@ -69,6 +71,9 @@ class Learner:
             self.optimizer, lambda step: min(1.0, (step + 1) / (config.warmup_steps + 1))
         )
         self.version = 0
+        if config.gradient_checkpointing:
+            # non-reentrant: works with frozen (even packed 4-bit) bases and needs no input grads
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def rollout_base(self) -> ServedBase | None:
         """The base the engines serve for this learner's policy pair."""
@@ -82,29 +87,47 @@ class Learner:
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
         """`learner.mini_batches` optimizer steps over `samples` (each in micro-batches), then one
-        LR-schedule step; returns flat metrics."""
+        LR-schedule step; returns flat metrics. A mini-batch whose loss or gradients are not
+        finite skips its optimizer step (counted in learner/skipped_steps)."""
         started = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         self.model.train()
         old = None if self.config.mini_batches == 1 else self._old_logprobs(samples, temperature)
-        sums = {"loss": 0.0, "entropy": 0.0, "kl": 0.0, "tis": 0.0, "clipped": 0.0, "max_diff": 0.0, "grad_norm": 0.0}
+        sums = new_step_sums()
         slices = contiguous_slices(len(samples), min(self.config.mini_batches, len(samples)) or 1)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = 0
         for start, stop in slices:
             self.optimizer.zero_grad(set_to_none=True)
             old_slice = None if old is None else old[start:stop]
-            self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums)
-            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
+            loss = self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)  # keep the last good weights
+                skipped += 1
+                continue
+            sums["grad_norm"] += grad_norm
             self.optimizer.step()
-        self.scheduler.step()
-        self.version += 1
+        if skipped < len(slices):
+            self.scheduler.step()
+            self.version += 1
+        stepped = max(len(slices) - skipped, 1)
         tokens = max(sum(len(s.completion_ids) for s in samples), 1)
         peak = {"learner/peak_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}
         return {
             **peak,
             "learner/loss": sums["loss"] / len(slices),
             "learner/entropy": sums["entropy"] / tokens,
-            "learner/grad_norm": sums["grad_norm"] / len(slices),
+            "learner/grad_norm": sums["grad_norm"] / stepped,
+            "learner/lr": lr,
             "learner/tis_weight_mean": sums["tis"] / tokens,
+            "learner/importance_ratio_mean": sums["ratio"] / tokens,
+            "learner/importance_ratio_max": sums["ratio_max"],
+            "learner/truncated_frac": sums["truncated"] / tokens,
             "learner/clip_frac": sums["clipped"] / tokens,
+            "learner/ref_kl": sums["ref_kl"] / tokens,
+            "learner/skipped_steps": float(skipped),
             "learner/tokens": float(tokens),
             "learner/step_ms": (time.perf_counter() - started) * 1e3,
             "mismatch/kl": sums["kl"] / tokens,
@@ -122,11 +145,14 @@ class Learner:
         return rows
 
     def _accumulate_gradients(self, samples: list[TrainSample], old: list[torch.Tensor] | None,
-                              temperature: float, sums: dict[str, float]) -> None:
-        """Backward over `samples` in micro-batches; the loss is normalised over all of them."""
+                              temperature: float, sums: dict[str, float]) -> float:
+        """Backward over `samples` in micro-batches; the loss is normalised over all of them.
+        Returns the mini-batch's loss (NaN or inf when something went wrong)."""
+        config = self.config
         total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
-        for first in range(0, total_seqs, self.config.micro_batch_size):
-            chunk = samples[first : first + self.config.micro_batch_size]
+        total_loss = 0.0
+        for first in range(0, total_seqs, config.micro_batch_size):
+            chunk = samples[first : first + config.micro_batch_size]
             scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
             mask, device = scores.mask, scores.mask.device
             if old is None:  # one optimizer step per batch: the pre-update logprobs are these very values
@@ -138,23 +164,40 @@ class Learner:
                 old_logprobs=old_chunk.to(device),
                 rollout_logprobs=_padded([s.rollout_logprobs for s in chunk], mask.shape).to(device),
                 advantages=torch.tensor([s.advantage for s in chunk], device=device),
+                ref_logprobs=self._reference_logprobs(chunk, temperature) if config.kl_coef > 0 else None,
             )
-            terms = policy_loss_terms(inputs, self.config.clip_eps, self.config.tis_cap)
-            loss = aggregate(terms.per_token, mask, self.config.loss_agg, total_seqs, total_tokens)
+            terms = policy_loss_terms(inputs, config.clip_eps, config.upper_clip(), config.tis_cap, config.kl_coef)
+            loss = aggregate(terms.per_token, mask, config.aggregation(), total_seqs, total_tokens)
             loss.backward()
             log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
-            sums["loss"] += loss.item()
+            total_loss += loss.item()
             sums["entropy"] += (scores.entropy * mask).sum().item()
             sums["kl"] += (((log_ratio.exp() - 1) - log_ratio) * mask).sum().item()
             sums["tis"] += (terms.tis_weight * mask).sum().item()
+            sums["ratio"] += (terms.importance_ratio * mask).sum().item()
+            sums["ratio_max"] = max(sums["ratio_max"], (terms.importance_ratio * mask).max().item())
+            sums["truncated"] += ((terms.importance_ratio > config.tis_cap).float() * mask).sum().item()
             sums["clipped"] += (terms.clipped * mask).sum().item()
+            if terms.ref_kl is not None:
+                sums["ref_kl"] += (terms.ref_kl.detach() * mask).sum().item()
             sums["max_diff"] = max(sums["max_diff"], (log_ratio.abs() * mask).max().item())
+        sums["loss"] += total_loss
+        return total_loss
+
+    @torch.no_grad()
+    def _reference_logprobs(self, chunk: list[TrainSample], temperature: float) -> torch.Tensor:
+        """The reference policy: the same base with the adapter switched off (no second model)."""
+        with self.model.disable_adapter():
+            return completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id).logprobs
 
     @torch.no_grad()
     def logprobs(self, pairs: list[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
         self.model.eval()
         scores = completion_logprobs(self.model, pairs, temperature, self.pad_id)
         return [row[: len(c)].tolist() for row, (_, c) in zip(scores.logprobs.cpu(), pairs)]
+
+    def adapter_version(self) -> int:
+        return self.version
 
     def export_adapter(self) -> AdapterUpdate:
         """The current LoRA tensors (peft names) in the rollout engine's dtype, tagged with the
@@ -172,25 +215,55 @@ class Learner:
         return folder
 
     def state_dict(self) -> dict:
-        """What resuming needs: LoRA tensors, optimizer and LR-schedule state, adapter version.
-        A copy: the optimizer's own state_dict refers to tensors its next step updates in place."""
+        """What resuming needs: LoRA tensors, optimizer and LR-schedule state, adapter version,
+        the RNG. A copy: the optimizer's own state_dict refers to tensors its next step updates
+        in place."""
         return {
             "lora": {name: tensor.clone() for name, tensor in lora_state_dict(self.model).items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
             "version": self.version,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         }
 
     def load_state_dict(self, state: dict) -> None:
         params = dict(zip(lora_state_dict(self.model), self.lora_params))
         if params.keys() != state["lora"].keys():
-            raise ValueError("learner state holds other LoRA tensors than this model (another model or rank?)")
+            raise ValueError("the checkpoint holds other LoRA tensors than this model (another model or rank?)")
+        for name, tensor in state["lora"].items():
+            if tensor.shape != params[name].shape:
+                raise ValueError(f"the checkpoint's {name} is {tuple(tensor.shape)}, this model's "
+                                 f"{tuple(params[name].shape)} (another model or rank?)")
         with torch.no_grad():
             for name, tensor in state["lora"].items():
                 params[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def checkpoint_files(self) -> dict[str, bytes]:
+        """The learner's part of a checkpoint as file contents (the driver writes them, so a
+        learner on another node needs no shared file system): a standard peft adapter folder
+        and the resumable state, safetensors + JSON."""
+        from safetensors.torch import save as save_safetensors
+
+        tensors, skeleton = encode_state(self.state_dict())
+        adapter = {name: tensor.contiguous() for name, tensor in lora_state_dict(self.model).items()}
+        return {
+            "adapter/adapter_model.safetensors": save_safetensors(adapter, metadata={"format": "pt"}),
+            "adapter/adapter_config.json": json.dumps(self.peft_config(), indent=2).encode(),
+            "learner_state.safetensors": tensors,
+            "learner_state.json": skeleton,
+        }
+
+    def load_checkpoint_files(self, files: dict[str, bytes]) -> int:
+        """Restore from `checkpoint_files` output; returns the adapter version."""
+        self.load_state_dict(decode_state(files["learner_state.safetensors"], files["learner_state.json"]))
+        return self.version
 
     def parameters_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of the LoRA parameters and of the (packed) base weights and buffers, for tests."""
@@ -213,6 +286,12 @@ class LearnerActor(Learner):
     def __init__(self, spec: LearnerSpec):
         model, served = load_policy(spec)
         super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), served)
+
+
+def new_step_sums() -> dict[str, float]:
+    """The running sums (and maxima) a train step's metrics come from."""
+    return dict.fromkeys(("loss", "entropy", "kl", "tis", "ratio", "ratio_max", "truncated", "clipped", "ref_kl",
+                          "grad_norm", "max_diff"), 0.0)
 
 
 def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:

@@ -146,11 +146,35 @@ class LearnerConfig(_Strict):
     """Linear learning-rate warm-up: Adam's first steps move every LoRA weight by about lr."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    algorithm: Literal["grpo", "dapo"] = "grpo"
+    """grpo: symmetric clip, per-sequence loss mean, optional KL penalty to the reference.
+    dapo: asymmetric clip (clip_eps, clip_eps_high), token-level loss mean, dynamic sampling
+    and the overlong-response penalty (each default below follows the algorithm)."""
     clip_eps: float = Field(0.2, gt=0, lt=1)
-    """PPO-style ratio clip."""
+    """PPO-style ratio clip, the lower side (ratio >= 1 - clip_eps)."""
+    clip_eps_high: float | None = Field(None, gt=0)
+    """The upper side (ratio <= 1 + clip_eps_high); None: clip_eps under grpo, 0.28 under dapo."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy (the base with the adapter off: no
+    second model), k3 estimator per token. 0 skips the reference forward."""
     tis_cap: float = Field(2.0, ge=1)
     """Truncation of the importance weight learner/rollout (off-policy correction)."""
-    loss_agg: Literal["seq_mean_token_mean", "token_mean"] = "seq_mean_token_mean"
+    loss_agg: Literal["auto", "seq_mean_token_mean", "token_mean"] = "auto"
+    """auto: seq_mean_token_mean under grpo, token_mean under dapo."""
+    dynamic_sampling: bool | None = None
+    """Drop prompt groups whose rewards are all equal (no gradient) and refill the batch with
+    more generate calls; None: on under dapo."""
+    max_refill_calls: int = Field(3, ge=0, le=100)
+    """Extra generate calls dynamic sampling may make per step before training on what it has."""
+    overlong_buffer: int | None = Field(None, ge=0)
+    """DAPO's soft overlong penalty: completions longer than max_new_tokens - overlong_buffer
+    lose up to overlong_penalty reward, linearly, by max_new_tokens; 0: off; None: a quarter of
+    rollout.max_new_tokens under dapo, 0 under grpo."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    max_bad_steps: int = Field(3, ge=1)
+    """Non-finite loss or gradients skip the optimizer step; this many in a row stop the run."""
+    gradient_checkpointing: bool = False
+    """Recompute the base's activations in backward: peak memory follows micro_batch_size."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
     mini_batches: int = Field(1, ge=1)
@@ -158,6 +182,24 @@ class LearnerConfig(_Strict):
     against the learner's logprobs before the first of them, so the clip bites from the second."""
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
+
+    def upper_clip(self) -> float:
+        if self.clip_eps_high is not None:
+            return self.clip_eps_high
+        return 0.28 if self.algorithm == "dapo" else self.clip_eps
+
+    def aggregation(self) -> str:
+        if self.loss_agg != "auto":
+            return self.loss_agg
+        return "token_mean" if self.algorithm == "dapo" else "seq_mean_token_mean"
+
+    def uses_dynamic_sampling(self) -> bool:
+        return self.algorithm == "dapo" if self.dynamic_sampling is None else self.dynamic_sampling
+
+    def overlong_tokens(self, max_new_tokens: int) -> int:
+        if self.overlong_buffer is not None:
+            return min(self.overlong_buffer, max_new_tokens)
+        return max(1, max_new_tokens // 4) if self.algorithm == "dapo" else 0
 
 
 
@@ -167,6 +209,8 @@ class TaskConfig(_Strict):
     """Operand digits for the addition task."""
     path: str | None = None
     """JSONL file of {"question", "answer"} lines, for the jsonl task."""
+    eval_path: str | None = None
+    """Held-out JSONL file (same layout) for `qerl eval` and train.eval_every (jsonl task)."""
     prompt_template: str = "Question: {question}\nAnswer:"
     """How a problem becomes a prompt; {question} is the only field."""
 
@@ -194,6 +238,21 @@ class TrainConfig(_Strict):
         return value
     overwrite: bool = False
     """Replace the outputs of an earlier run in run_dir (otherwise that is an error)."""
+    eval_every: int = Field(0, ge=0)
+    """Evaluate on the task's held-out problems every this many steps (and after the last); 0: never."""
+    eval_problems: int = Field(64, ge=1)
+    """Held-out problems per evaluation (the same fixed set every time)."""
+    eval_samples: int = Field(4, ge=1)
+    """Samples per held-out problem for pass@k (k = eval_samples), beside the greedy answer."""
+    tensorboard: bool = False
+    """Also log every step's metrics to run_dir/tensorboard (needs the tensorboard extra)."""
+
+
+class CheckpointConfig(_Strict):
+    every: int = Field(0, ge=0)
+    """Save a checkpoint every this many steps (and at the end, and when stopped); 0: only then."""
+    keep: int = Field(2, ge=1)
+    """Checkpoints kept in run_dir/checkpoints (the oldest go first)."""
 
 
 class RayConfig(_Strict):
@@ -218,6 +277,7 @@ class QerlConfig(_Strict):
     learner: LearnerConfig = LearnerConfig()
     task: TaskConfig = TaskConfig()
     train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     ray: RayConfig = RayConfig()
 
     @model_validator(mode="before")

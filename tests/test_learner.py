@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.actor import Learner, LearnerSpec, build_learner, lora_state_dict
+from learner.actor import Learner, LearnerSpec, build_learner, lora_state_dict, new_step_sums
 from shared.config import LearnerConfig, LoraConfig
 from shared.types import TrainSample
 
@@ -38,7 +38,7 @@ def test_gradient_does_not_depend_on_the_micro_batch_size(tiny_model, tmp_path):
     for micro_batch in (64, 5, 1):
         learner = _learner(tiny_model, tmp_path / str(micro_batch), micro_batch_size=micro_batch)
         learner.optimizer.zero_grad()
-        sums = dict.fromkeys(("loss", "entropy", "kl", "tis", "clipped", "max_diff"), 0.0)
+        sums = new_step_sums()
         learner._accumulate_gradients(_samples(), None, 1.0, sums)
         grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
     for other in grads[1:]:

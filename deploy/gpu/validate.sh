@@ -113,6 +113,11 @@ for stage in ${*:-tests rollout sync learner train}; do
       run fidelity qerl bench fidelity "${gpu[@]}" --formats bf16,nf4-exact,int4,nvfp4,nf4-int4,nf4-fp8 \
           rollout.enforce_eager=true rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
           lora.rank=8 lora.alpha=16 policy.group_size=64 --json "$out/fidelity_tiny.json" ;;
+    fidelity-int4)
+      # the int4 and bf16 pairs alone on 16x the prompts: the KL mean of ~1,100 tokens moves 10x between leases
+      run fidelity_int4 qerl bench fidelity "${gpu[@]}" --formats bf16,int4 --prompts 512 \
+          rollout.enforce_eager=true rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
+          lora.rank=8 lora.alpha=16 policy.group_size=64 --json "$out/fidelity_int4_tiny.json" ;;
     memory32b)
       # learner and one worker of a 32B-shaped int4 pair on one GPU, random packed weights
       run write_32b_int4 python3 -m benchmarks.shapes qwen2.5-32b /tmp/qwen2.5-32b-int4 --packed int4
@@ -128,7 +133,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity memory32b)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity fidelity-int4 memory32b)"; exit 2 ;;
   esac
 done
 exit $status

@@ -22,6 +22,10 @@ class Problem:
 class Task(Protocol):
     def sample(self, rng: Random, count: int) -> list[Problem]: ...
 
+    def held_out(self, count: int) -> list[Problem]:
+        """Evaluation problems training never samples, the same list every call."""
+        ...
+
     def reward(self, problem: Problem, completion: str) -> float: ...
 
 
@@ -32,4 +36,4 @@ def build_task(config: TaskConfig) -> Task:
     if config.name == "addition":
         return AdditionTask(digits=config.digits)
     assert config.path is not None  # the config validator guarantees it
-    return JsonlTask.from_file(config.path, config.prompt_template)
+    return JsonlTask.from_file(config.path, config.prompt_template, config.eval_path)

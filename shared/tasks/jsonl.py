@@ -45,19 +45,18 @@ def _normalise(answer: str) -> str:
 @dataclass(frozen=True)
 class JsonlTask:
     problems: tuple[Problem, ...]
+    eval_problems: tuple[Problem, ...] = ()
+    """From task.eval_path: a separate file, so training never sees them."""
 
     @classmethod
-    def from_file(cls, path: str | Path, prompt_template: str) -> JsonlTask:
-        path = Path(path)
-        if not path.is_file():
-            raise QerlError(f"dataset file not found: {path}")
-        problems = []
-        for number, line in enumerate(read_utf8(path).splitlines(), start=1):
-            if line.strip():
-                problems.append(_parse_line(path, number, line, prompt_template))
-        if not problems:
-            raise QerlError(f"dataset {path} has no problems")
-        return cls(tuple(problems))
+    def from_file(cls, path: str | Path, prompt_template: str, eval_path: str | Path | None = None) -> JsonlTask:
+        held_out = _read_problems(Path(eval_path), prompt_template) if eval_path else ()
+        return cls(_read_problems(Path(path), prompt_template), held_out)
+
+    def held_out(self, count: int) -> list[Problem]:
+        if not self.eval_problems:
+            raise QerlError("evaluating the jsonl task needs task.eval_path (a held-out JSONL file)")
+        return list(self.eval_problems[:count])
 
     def sample(self, rng: Random, count: int) -> list[Problem]:
         """Distinct problems while the file has enough, so a step never sees one twice."""
@@ -68,6 +67,18 @@ class JsonlTask:
     def reward(self, problem: Problem, completion: str) -> float:
         predicted = extract_answer(completion)
         return 1.0 if predicted is not None and predicted == problem.answer else 0.0
+
+
+def _read_problems(path: Path, prompt_template: str) -> tuple[Problem, ...]:
+    if not path.is_file():
+        raise QerlError(f"dataset file not found: {path}")
+    problems = []
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
+        if line.strip():
+            problems.append(_parse_line(path, number, line, prompt_template))
+    if not problems:
+        raise QerlError(f"dataset {path} has no problems")
+    return tuple(problems)
 
 
 def _parse_line(path: Path, number: int, line: str, prompt_template: str) -> Problem:
