@@ -3,6 +3,8 @@ gradients do not depend on the micro-batch size, and state_dict/load_state_dict 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -70,3 +72,71 @@ def test_state_of_another_rank_is_refused(tiny_model, tmp_path):
     state["lora"] = {name.replace("q_proj", "nope"): t for name, t in state["lora"].items()}
     with pytest.raises(ValueError, match="other LoRA tensors"):
         learner.load_state_dict(state)
+
+
+def test_checkpoint_files_round_trip_through_bytes_bit_for_bit(tiny_model, tmp_path):
+    """The files a checkpoint holds (safetensors + JSON, no pickle) restore the learner exactly."""
+    straight = _learner(tiny_model, tmp_path / "a", lr=1e-2, mini_batches=2)
+    straight.train_step(_samples(), 1.0)
+    files = straight.checkpoint_files()
+    assert set(files) == {"adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+                          "learner_state.safetensors", "learner_state.json"}
+    expected = straight.train_step(_samples(), 1.0)
+    resumed = _learner(tiny_model, tmp_path / "b", lr=1e-2, mini_batches=2)
+    assert resumed.load_checkpoint_files(files) == 1
+    got = resumed.train_step(_samples(), 1.0)
+    assert got["learner/loss"] == expected["learner/loss"] and got["learner/lr"] == expected["learner/lr"]
+    after, want = lora_state_dict(resumed.model), lora_state_dict(straight.model)
+    assert all(torch.equal(after[name], want[name]) for name in want)
+
+
+def test_non_finite_loss_skips_the_optimizer_step(tiny_model, tmp_path):
+    learner = _learner(tiny_model, tmp_path, lr=1e-2)
+    before = {name: t.clone() for name, t in lora_state_dict(learner.model).items()}
+    poisoned = [TrainSample(s.prompt_ids, s.completion_ids, s.rollout_logprobs, float("nan")) for s in _samples()]
+    stats = learner.train_step(poisoned, 1.0)
+    assert stats["learner/skipped_steps"] == 1.0 and learner.version == 0
+    assert all(torch.equal(t, before[name]) for name, t in lora_state_dict(learner.model).items())
+    assert learner.train_step(_samples(), 1.0)["learner/skipped_steps"] == 0.0 and learner.version == 1
+
+
+def test_kl_penalty_uses_the_adapter_off_reference(tiny_model, tmp_path):
+    """At a fresh LoRA (B = 0) the policy is the reference: KL 0. After some steps it is not,
+    and a KL penalty keeps the policy closer to the base than the same steps without it."""
+    drift = {}
+    for coef in (0.0, 5.0):
+        learner = _learner(tiny_model, tmp_path / str(coef), lr=5e-2, kl_coef=max(coef, 1e-9))
+        first = learner.train_step(_samples(), 1.0)
+        assert first["learner/ref_kl"] == pytest.approx(0.0, abs=1e-9)
+        for _ in range(4):
+            last = learner.train_step(_samples(), 1.0)
+        drift[coef] = last["learner/ref_kl"]
+    assert drift[0.0] > 0 and drift[5.0] < drift[0.0]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_model, tmp_path):
+    grads = []
+    for checkpointing in (False, True):
+        learner = _learner(tiny_model, tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
+        learner.optimizer.zero_grad()
+        learner._accumulate_gradients(_samples(), None, 1.0, new_step_sums())
+        grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
+    assert all(torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-8) for name in grads[0])
+
+
+def test_importance_metrics_are_reported(tiny_model, tmp_path):
+    """Rollout logprobs set to the learner's own, minus log 4 on even samples: the ratio
+    pi_learner / pi_rollout is 4 there (above the cap 2: truncated) and 1 elsewhere."""
+    learner = _learner(tiny_model, tmp_path)
+    samples = _samples()
+    own = learner.logprobs([(s.prompt_ids, s.completion_ids) for s in samples], 1.0)
+    shifted = [TrainSample(s.prompt_ids, s.completion_ids, [lp - math.log(4) * (i % 2 == 0) for lp in row], s.advantage)
+               for i, (s, row) in enumerate(zip(samples, own))]
+    stats = learner.train_step(shifted, 1.0)
+    tokens = [len(s.completion_ids) for s in samples]
+    high = sum(n for i, n in enumerate(tokens) if i % 2 == 0)
+    expected_mean = (4 * high + sum(tokens) - high) / sum(tokens)
+    assert stats["learner/importance_ratio_mean"] == pytest.approx(expected_mean, rel=1e-4)
+    assert stats["learner/importance_ratio_max"] == pytest.approx(4.0, rel=1e-4)
+    assert stats["learner/truncated_frac"] == pytest.approx(high / sum(tokens))
+    assert stats["learner/lr"] == pytest.approx(1e-3)

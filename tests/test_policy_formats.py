@@ -5,6 +5,7 @@ steps through Ray move every LoRA tensor and leave the packed base alone."""
 from __future__ import annotations
 
 import math
+from random import Random
 
 import pytest
 import ray
@@ -80,7 +81,7 @@ def test_int4_training_steps_move_lora_and_keep_the_packed_base(ray_local, tiny_
     try:
         before = ray.get(run.learner.parameters_snapshot.remote())
         served = ray.get(run.learner.rollout_base.remote())
-        summary = train_loop(run, log=print)
+        summary = train_loop(run, 0, Random(config.train.seed), log=print)
         after = ray.get(run.learner.parameters_snapshot.remote())
     finally:
         run.close()

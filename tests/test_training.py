@@ -45,7 +45,7 @@ def finished_run(tiny_model, ray_local, tmp_path_factory):
     run = start_run(config, log=lambda *_: None)
     try:
         before = ray.get(run.learner.parameters_snapshot.remote())
-        summary = train_loop(run, log=print)
+        summary = train_loop(run, 0, Random(config.train.seed), log=print)
         after = ray.get(run.learner.parameters_snapshot.remote())
     finally:
         run.close()

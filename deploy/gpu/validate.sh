@@ -8,7 +8,7 @@
 # compares the 7B rollout with vLLM's default LoRA kernels and configs/lora-kernels, bf16;
 # lora-kernels-fp8 the same on the fp8 base with a separate engine core; fp8-kv adds an fp8 KV
 # cache to that fp8 engine; profile shows where a 64-sequence decode step goes, with the adapter
-# and without, profile-4bit the same for bf16 and int4 side by side; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
+# and without, profile-4bit the same for the int4 engine; ratio measures the HF peer at 64 sequences and the fp8 engine at 64 with the
 # levers added one at a time (tuned LoRA kernels, then an fp8 KV cache); formats measures the 7B
 # rollout in bf16, int4 and NVFP4 side by side, int4-levers the int4 engine with Marlin forced and
 # with dual-stream LoRA, formats-32b bf16 vs int4 at 32B; fidelity compares every policy pair on
@@ -86,8 +86,8 @@ for stage in ${*:-tests rollout sync learner train}; do
       lever fp8_separate_fp8kv --peer-concurrency "" "${unseeded[@]}" "${separate[@]}" "${fp8[@]}" \
           rollout.kv_cache_dtype=fp8 ;;
     profile-4bit)
-      # where a 64-sequence decode step of the int4 engine goes, beside bf16 in the same run
-      lever profiled_formats --formats bf16,int4 --peer-concurrency "" --concurrency 64 --profile "$out/profile_formats" ;;
+      # where a 64-sequence decode step of the int4 engine goes (the bf16 one: the profile stage)
+      lever profiled_int4 --formats int4 --peer-concurrency "" --concurrency 64 --profile "$out/profile_int4" ;;
     profile)
       lever profiled --peer-concurrency "" --concurrency 64 --profile "$out/profile_lora"
       lever profiled_no_adapter --peer-concurrency "" --concurrency 64 --no-adapter \
