@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     source = train.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="YAML run config (see configs/)")
     source.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    train.add_argument("--verbose", action="store_true",
+                       help="show the actors' own output (vLLM, torch, Ray); otherwise it goes to RUN_DIR/logs/")
     train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=10")
     evaluation = commands.add_parser("eval", help="greedy accuracy and pass@k of an adapter on held-out problems")
     evaluation.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("eval takes a RUN_DIR or --config FILE (one of them)")
         if args.config and not args.adapter:
             parser.error("eval --config needs --adapter PEFT_FOLDER")
+    if args.command == "train" and args.verbose:
+        args.overrides.append("ray.log_to_driver=true")
     if args.command == "report" and args.overrides:
         parser.error(f"report takes no section.key=value overrides: {' '.join(args.overrides)}")
     return args

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -19,9 +20,12 @@ def connect_ray(config: QerlConfig) -> bool:
     """Returns True when this call started a local instance (so the caller shuts it down)."""
     if ray.is_initialized():
         return False
+    # quiet by default: Ray's start-up notes and the actors' output stay out of the console
+    quiet = {"log_to_driver": config.ray.log_to_driver,
+             "logging_level": logging.INFO if config.ray.log_to_driver else logging.ERROR}
     if config.ray.address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=config.ray.address)
+        ray.init(address=config.ray.address, **quiet)
         return False
     num_cpus = max(config.ray.num_cpus or os.cpu_count() or 1, cpus_needed(config))
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
     return True

@@ -44,6 +44,7 @@ from shared.aqn import aqn_sigma
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
 from shared.metrics import MetricsWriter, format_step_line, read_metrics, reward_trend_line
+from shared.process_output import actor_log_env
 from shared.tasks import Problem, Task, build_task
 from shared.types import Completion, SamplingSettings, TrainSample
 
@@ -112,8 +113,10 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     try:
         spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
                            config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")
+        log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
         learner = ray.remote(LearnerActor).options(
-            num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus
+            num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus,
+            runtime_env={"env_vars": actor_log_env(log_dir, "learner")},
         ).remote(spec)
         info = ready_or_error(learner, "the learner")
         # the new run's model has loaded: only now do the previous run's outputs go
@@ -121,7 +124,7 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
             _remove_run_outputs(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
-        pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log)
+        pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log, log_dir=log_dir)
     except BaseException:
         if started_ray:
             ray.shutdown()
@@ -136,6 +139,7 @@ def _remove_run_outputs(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    shutil.rmtree(run_dir / "logs", ignore_errors=True)
 
 
 def train(config: QerlConfig, log=print) -> dict:

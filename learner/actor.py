@@ -24,6 +24,7 @@ from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
 from shared.formats import POLICY_FORMATS, dtype_of
+from shared.process_output import redirect_output_to_log_file
 from shared.types import AdapterUpdate, ServedBase, TrainSample, contiguous_slices
 
 
@@ -284,6 +285,7 @@ class LearnerActor(Learner):
     """The Ray actor: builds its model in its own process (a model does not travel)."""
 
     def __init__(self, spec: LearnerSpec):
+        redirect_output_to_log_file()
         model, served = load_policy(spec)
         super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), served)
 

@@ -18,6 +18,7 @@ import ray
 from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
 from shared.errors import QerlError
+from shared.progress import progress
 from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase, contiguous_slices
 
 
@@ -40,20 +41,22 @@ class FleetState:
 
 class RolloutPool:
     def __init__(self, served: ServedBase, config: RolloutConfig, max_lora_rank: int, log=print,
-                 worker_class: type = RolloutWorker):
+                 worker_class: type = RolloutWorker, log_dir: str | None = None):
         self.served = served
         self.config = config
         self.max_lora_rank = max_lora_rank
         self.state = FleetState()
         actor = ray.remote(worker_class)
         self.workers = [
-            actor.options(**worker_actor_options(config, index)).remote(index, served, config, max_lora_rank)
+            actor.options(**worker_actor_options(config, index, log_dir)).remote(index, served, config, max_lora_rank)
             for index in range(config.num_workers)
         ]
-        for index, worker in enumerate(self.workers):
-            info = ready_or_error(worker, f"rollout worker {index}")
-            log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s"
-                f"{gpu_memory_note(info)})")
+        with progress(len(self.workers), "starting rollout engines") as bar:
+            for index, worker in enumerate(self.workers):
+                info = ready_or_error(worker, f"rollout worker {index}")
+                bar.update()
+                log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s"
+                    f"{gpu_memory_note(info)})")
 
     def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
         """Start generating: one contiguous shard of the prompts per worker (each prompt's sampling

@@ -20,6 +20,7 @@ import numpy as np
 
 from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
+from shared.process_output import actor_log_env, redirect_output_to_log_file
 from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
 EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
@@ -49,13 +50,12 @@ def worker_env(config: RolloutConfig, worker_id: int) -> dict[str, str]:
     return env
 
 
-def worker_actor_options(config: RolloutConfig, worker_id: int) -> dict:
-    """Ray actor options for worker `worker_id`: its resources and its process environment."""
-    return {
-        "num_cpus": config.num_cpus_per_worker,
-        "num_gpus": config.num_gpus_per_worker,
-        "runtime_env": {"env_vars": worker_env(config, worker_id)},
-    }
+def worker_actor_options(config: RolloutConfig, worker_id: int, log_dir: str | None = None) -> dict:
+    """Ray actor options for worker `worker_id`: its resources and its process environment
+    (with `log_dir`, its output goes to log_dir/rollout-worker-N.log)."""
+    env = worker_env(config, worker_id) | actor_log_env(log_dir, f"rollout-worker-{worker_id}")
+    return {"num_cpus": config.num_cpus_per_worker, "num_gpus": config.num_gpus_per_worker,
+            "runtime_env": {"env_vars": env}}
 
 
 class RolloutWorker:
@@ -63,6 +63,8 @@ class RolloutWorker:
 
     def __init__(self, worker_id: int, served: ServedBase, config: RolloutConfig, max_lora_rank: int):
         from rollout_server.vllm_internals import vllm_line
+
+        redirect_output_to_log_file()
 
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet

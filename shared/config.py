@@ -260,6 +260,9 @@ class RayConfig(_Strict):
     """Cluster address; None starts a local Ray instance."""
     num_cpus: int | None = Field(None, ge=1)
     """CPUs of the local instance; None: at least what the actors ask for."""
+    log_to_driver: bool = False
+    """Show the actors' own output (vLLM, torch, Ray) on the console; otherwise it goes only to
+    run_dir/logs/ (`qerl train --verbose` sets this)."""
 
 
 RENAMED = {

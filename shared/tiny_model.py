@@ -23,6 +23,7 @@ from random import Random
 
 import torch
 
+from shared.progress import progress
 from shared.tasks.addition import make_addition_problem
 
 RECIPE = {
@@ -38,8 +39,8 @@ RECIPE = {
     "warm_start_max_steps": 1500,
     "warm_start_batch": 128,
     "warm_start_lr": 1e-3,
-    "warm_start_target_accuracy": 0.6,
-    "warm_start_check_every": 50,
+    "warm_start_target_accuracy": 0.3,
+    "warm_start_check_every": 10,
     "seed": 1234,
 }
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
@@ -138,7 +139,15 @@ def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
     check_rng_seed = recipe["seed"] + 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["warm_start_lr"])
     model.train()
+    with progress(recipe["warm_start_max_steps"], "warm start") as bar:
+        _warm_start_steps(model, tokenizer, recipe, rng, check_rng_seed, optimizer, bar, log)
+    model.eval()
+
+
+def _warm_start_steps(model, tokenizer, recipe: dict, rng: Random, check_rng_seed: int, optimizer, bar,
+                      log) -> None:
     for step in range(1, recipe["warm_start_max_steps"] + 1):
+        bar.update()
         problems = [make_addition_problem(rng, recipe["digits"]) for _ in range(recipe["warm_start_batch"])]
         rows = _encode_examples(tokenizer, problems, with_answers=True)
         width = max(len(row) for row in rows)
@@ -156,10 +165,11 @@ def warm_start(model, tokenizer, recipe: dict, log=print) -> None:
             model.eval()
             accuracy = greedy_accuracy(model, tokenizer, Random(check_rng_seed), recipe["digits"], 128)
             model.train()
-            log(f"[qerl]   warm start step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.0%}")
-            if accuracy >= recipe["warm_start_target_accuracy"]:
+            reached = accuracy >= recipe["warm_start_target_accuracy"]
+            if reached or step % 50 == 0:
+                log(f"[qerl]   warm start step {step}: loss {loss.item():.3f}, greedy accuracy {accuracy:.0%}")
+            if reached:
                 break
-    model.eval()
 
 
 @torch.no_grad()
