@@ -114,6 +114,8 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
         spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
                            config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
+        if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)
+            shutil.rmtree(log_dir, ignore_errors=True)
         learner = ray.remote(LearnerActor).options(
             num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus,
             runtime_env={"env_vars": actor_log_env(log_dir, "learner")},
@@ -139,7 +141,6 @@ def _remove_run_outputs(run_dir: Path) -> None:
     shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-    shutil.rmtree(run_dir / "logs", ignore_errors=True)
 
 
 def train(config: QerlConfig, log=print) -> dict:

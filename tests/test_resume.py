@@ -109,8 +109,19 @@ def _assert_same_adapter(a: dict, b: dict) -> None:
 @pytest.fixture(scope="module")
 def straight_run(tiny_model, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    _finish(_start(_train(run_dir), "", _env(uuid.uuid4().hex)))
+    output = _finish(_start(_train(run_dir), "", _env(uuid.uuid4().hex)))
+    (run_dir.parent / "console.txt").write_text(output)
     return run_dir
+
+
+def test_the_console_shows_qerl_lines_and_the_actors_log_to_the_run_folder(straight_run):
+    console = (straight_run.parent / "console.txt").read_text().splitlines()
+    chatter = [line for line in console if not line.startswith(("[qerl]", "step "))]
+    assert chatter == []
+    assert sum(line.startswith("step ") for line in console) == STEPS
+    logs = {p.name for p in (straight_run / "logs").iterdir()}
+    assert logs == {"learner.log", "rollout-worker-0.log", "rollout-worker-1.log"}
+    assert (straight_run / "logs" / "rollout-worker-0.log").stat().st_size > 0
 
 
 def test_sigkill_then_resume_is_the_straight_run(straight_run, tmp_path):
