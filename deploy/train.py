@@ -43,7 +43,7 @@ from rollout_server.vllm_internals import serving_problem
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
-from shared.metrics import MetricsWriter, format_step_line, read_metrics, reward_trend_line
+from shared.metrics import MetricsWriter, check_tensorboard, format_step_line, read_metrics, reward_trend_line
 from shared.process_output import actor_log_env
 from shared.tasks import Problem, Task, build_task
 from shared.types import Completion, SamplingSettings, TrainSample
@@ -99,6 +99,8 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     if not resuming and (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
         raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir, set train.overwrite=true "
                         f"or continue it with qerl train --resume {run_dir}")
+    if config.train.tensorboard:
+        check_tensorboard()
     task = build_task(config.task)
     eval_problems = task.held_out(config.train.eval_problems) if config.train.eval_every else []
     problem = serving_problem(config.policy.format, config.rollout)

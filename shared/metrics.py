@@ -55,17 +55,19 @@ def reward_trend_line(records: list[dict]) -> str:
     return f"[qerl] mean reward, first {window} steps: {first:.3f} -> last {window} steps: {last:.3f}"
 
 
+def check_tensorboard() -> None:
+    """torch.utils.tensorboard imports the tensorboard package itself; check first so a missing
+    extra is a one-line QerlError (before any engine starts), not torch's ImportError traceback."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise QerlError("train.tensorboard: the tensorboard package is not installed (pip install 'qerl[tensorboard]')")
+
+
 class TensorBoardWriter:
     """The same records as TensorBoard scalars (optional: the `tensorboard` extra), one per
     numeric metric at x = record["step"]; the key's namespace becomes TensorBoard's tag group."""
 
     def __init__(self, log_dir: str | Path):
-        # torch.utils.tensorboard imports the tensorboard package itself; check first so a
-        # missing extra is a one-line QerlError, not torch's ImportError traceback
-        if importlib.util.find_spec("tensorboard") is None:
-            raise QerlError(
-                "train.tensorboard: the tensorboard package is not installed (pip install 'qerl[tensorboard]')"
-            )
+        check_tensorboard()
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir))

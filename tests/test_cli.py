@@ -189,3 +189,19 @@ def test_overwrite_keeps_the_previous_run_when_the_new_model_cannot_load(tiny_mo
     assert result.returncode == 2, result.stderr[-2000:]
     assert last.startswith(f"qerl: error: the learner could not start: cannot load the weights in {model}"), last
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_tensorboard_without_its_package_is_refused_before_anything_starts(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here: train.tensorboard works (tests/test_report.py)")
+    result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", "train.tensorboard=true",
+                   f"train.run_dir={tmp_path / 'run'}")
+    _assert_one_line_error(result, "tensorboard package is not installed")
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_needs_a_config_or_a_run_to_resume(capsys):
+    code, _, err = _qerl(capsys, "train")
+    assert code == 2 and "--config" in err and "--resume" in err

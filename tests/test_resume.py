@@ -28,7 +28,7 @@ STEPS = 6
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["rollout.num_workers=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=5",
              "train.prompts_per_step=8", "checkpoint.every=1", "checkpoint.keep=10", "learner.warmup_steps=2",
-             "lora.rank=8", "lora.alpha=16"]
+             "lora.rank=8", "lora.alpha=16", "train.eval_every=3", "train.eval_problems=16"]
 # Run inside the subprocess: optionally hold a checkpoint write between its complete temporary
 # folder and the rename (writing a marker file first), then run the qerl CLI.
 LAUNCHER = """
@@ -136,6 +136,10 @@ def test_sigkill_then_resume_is_the_straight_run(straight_run, tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(STEPS))
     assert _rewards(run_dir) == _rewards(straight_run)  # bit-exact
     _assert_same_adapter(_adapter(run_dir), _adapter(straight_run))
+    evals = {r["step"]: r["eval/accuracy"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r}
+    straight_evals = {r["step"]: r["eval/accuracy"] for r in read_metrics(straight_run / "metrics.jsonl")
+                      if "eval/accuracy" in r}
+    assert evals == straight_evals and sorted(evals) == [2, 5]  # train.eval_every=3, held-out problems
     # the checkpoint is a standard peft folder and records where the run stood
     files = read_checkpoint(complete_checkpoints(run_dir)[-1])
     assert json.loads(files["driver.json"])["steps_done"] == STEPS
