@@ -12,7 +12,8 @@
 # levers added one at a time (tuned LoRA kernels, then an fp8 KV cache); formats measures the 7B
 # rollout in bf16, int4 and NVFP4 side by side, int4-levers the int4 engine with Marlin forced and
 # with dual-stream LoRA, formats-32b bf16 vs int4 at 32B; fidelity compares every policy pair on
-# the tiny model; memory32b trains a 32B-shaped int4 pair on one GPU. Each opt-in stage fits one
+# the tiny model; memory32b trains a 32B-shaped int4 pair on one GPU; learner-gc
+# the learner's peak memory at micro-batch 1 and 8 with gradient checkpointing off and on. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -127,13 +128,19 @@ for stage in ${*:-tests rollout sync learner train}; do
     learner)
       run learner qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --json "$out/learner_7b.json" ;;
+    learner-gc)
+      # the NF4 learner's peak memory and speed at two micro-batch sizes, gradient checkpointing off and on
+      run learner_gc_off qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4 --micro-batches 1,8 \
+          --prompt-len 256 --gen-len 512 --json "$out/learner_7b_gc_off.json" learner.gradient_checkpointing=false
+      run learner_gc_on qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4 --micro-batches 1,8 \
+          --prompt-len 256 --gen-len 512 --json "$out/learner_7b_gc_on.json" learner.gradient_checkpointing=true ;;
     train)
       python3 -m benchmarks.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-random > /dev/null
       run train qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml model.path=/tmp/qwen2.5-0.5b-random \
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity fidelity-int4 memory32b)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity fidelity-int4 memory32b learner-gc)"; exit 2 ;;
   esac
 done
 exit $status
