@@ -139,7 +139,7 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
             learner = ray.remote(LearnerActor).options(num_cpus=config.learner.num_cpus,
                                                        num_gpus=config.learner.num_gpus).remote(spec)
             info = ready_or_error(learner, "the learner")
-            pool = RolloutPool(info["served"], config.rollout, rank, log=log)
+            pool = RolloutPool(info["served"], config.engine_rollout(), rank, log=log)
             try:
                 pool.update_adapter(update)
             except ray.exceptions.RayError as error:

@@ -128,7 +128,7 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
             _remove_run_outputs(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
-        pool = RolloutPool(info["served"], config.rollout, config.lora.rank, log=log, log_dir=log_dir)
+        pool = RolloutPool(info["served"], config.engine_rollout(), config.lora.rank, log=log, log_dir=log_dir)
     except BaseException:
         if started_ray:
             ray.shutdown()

@@ -94,7 +94,7 @@ class RolloutWorker:
             worker_extension_cls=EXTENSION,
             distributed_executor_backend="uni" if config.in_process else None,
             quantization=served.quantization,
-            **({} if config.linear_backend == "auto" else {"linear_backend": config.linear_backend}),
+            **({} if config.linear_backend in ("auto", "vllm") else {"linear_backend": config.linear_backend}),
             load_format=config.load_format,
             skip_tokenizer_init=config.load_format == "dummy",  # shape-only folders have no tokenizer
             seed=worker_id,

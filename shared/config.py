@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import QerlError, read_utf8
-from shared.formats import DTYPE_NAMES, POLICY_FORMAT_NAMES, POLICY_FORMATS
+from shared.formats import DTYPE_NAMES, LINEAR_BACKENDS, POLICY_FORMAT_NAMES, POLICY_FORMATS, linear_backend_for
 
 
 def existing_folder(value: str) -> str:
@@ -88,9 +88,12 @@ class RolloutConfig(_Strict):
     """Run the engine core inside the actor process (fast start on CPU; the worker is reachable)."""
     enforce_eager: bool = True
     """Skip torch.compile/CUDA graphs: right for the tiny CPU model, turn off on GPU for speed."""
-    linear_backend: Literal["auto", "marlin"] = "auto"
-    """vLLM's kernel for 4-bit linear layers: "auto" lets vLLM choose (Machete for int4 on an
-    H200), "marlin" forces Marlin (BENCHMARKS.md: which is faster at which concurrency)."""
+    linear_backend: str = "auto"
+    """vLLM's kernel for 4-bit linear layers (shared.formats.LINEAR_BACKENDS): "auto" picks Marlin
+    for an int4 engine on a GPU when a step puts at most MARLIN_MAX_SEQS sequences in flight on
+    it, else vLLM's own choice; "vllm" always leaves it to vLLM (Machete for int4 on an H200);
+    "marlin" or "machete" force one. Benchmarks sweep several concurrencies with one engine:
+    there "auto" means vLLM's choice."""
     lora_dual_stream: bool = False
     """Run the LoRA kernels on a second CUDA stream beside the base GEMM
     (VLLM_LORA_ENABLE_DUAL_STREAM)."""
@@ -117,6 +120,11 @@ class RolloutConfig(_Strict):
     @classmethod
     def _known_dtype(cls, value: str) -> str:
         return _one_of(value, ("auto", *DTYPE_NAMES))
+
+    @field_validator("linear_backend")
+    @classmethod
+    def _known_linear_backend(cls, value: str) -> str:
+        return _one_of(value, LINEAR_BACKENDS)
 
     def device(self) -> str:
         return "cuda" if self.num_gpus_per_worker > 0 else "cpu"
@@ -293,6 +301,17 @@ class QerlConfig(_Strict):
 
     def engine_dtype(self) -> str:
         return self.rollout.engine_dtype(self.policy.format)
+
+    def seqs_per_engine(self) -> int:
+        """Sequences one engine holds in flight in a training step (prompts split across workers)."""
+        prompts = -(-self.train.prompts_per_step // self.rollout.num_workers)
+        return prompts * self.rollout.samples_per_prompt
+
+    def engine_rollout(self) -> RolloutConfig:
+        """The rollout settings the training and eval engines start with: "auto" choices resolved."""
+        backend = linear_backend_for(self.rollout.linear_backend, self.policy.format, self.rollout.device(),
+                                     self.seqs_per_engine())
+        return self.rollout.model_copy(update={"linear_backend": backend})
 
     @model_validator(mode="after")
     def _cross_process_rules(self) -> QerlConfig:

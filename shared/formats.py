@@ -168,3 +168,20 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
     )
 }
 POLICY_FORMAT_NAMES = tuple(POLICY_FORMATS)
+
+LINEAR_BACKENDS = ("auto", "vllm", "marlin", "machete")
+"""`rollout.linear_backend`: "auto" lets qerl pick by the engine's concurrency (below), "vllm"
+leaves the choice to vLLM (Machete for int4 on an H200), or a kernel forced."""
+MARLIN_MAX_SEQS = 32
+"""On an H200 (BENCHMARKS.md, H200 2026-12-03 third run), int4 + LoRA at 7B: Marlin 1.31x bf16
+at 16 sequences, Machete 1.22x; at 64 and above Machete wins (Marlin 1.00x / 0.74x). An int4
+engine whose step puts at most this many sequences in flight gets Marlin."""
+
+
+def linear_backend_for(configured: str, policy_format: str, device: str, seqs_per_engine: int) -> str:
+    """The concrete `rollout.linear_backend` ("vllm", "marlin" or "machete") for an engine that
+    serves `policy_format` on `device` with `seqs_per_engine` sequences in flight per step."""
+    if configured != "auto":
+        return configured
+    int4_engine = POLICY_FORMATS[policy_format].engine == "int4"
+    return "marlin" if device == "cuda" and int4_engine and seqs_per_engine <= MARLIN_MAX_SEQS else "vllm"
