@@ -129,7 +129,7 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
     task = build_task(config.task)
     model_path = resolve_model_path(config, log)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    started_ray = connect_ray(config)
+    started_ray = connect_ray(config, log)
     learner, pool = None, None
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-eval-") as scratch:

@@ -34,7 +34,7 @@ from deploy.checkpoint import (
     write_checkpoint,
 )
 from deploy.evaluate import EVAL_SEED_OFFSET, evaluate, format_eval_line
-from deploy.ray_cluster import connect_ray
+from deploy.ray_cluster import check_run_dir_for_job, connect_ray
 from learner.actor import LearnerActor, LearnerSpec
 from learner.losses import group_advantages, informative_groups, overlong_penalty
 from learner.model import check_model_folder
@@ -95,6 +95,7 @@ class Run:
 
 def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     """Check the inputs, start (or join) Ray, create the learner and the rollout workers."""
+    check_run_dir_for_job(config.train.run_dir)
     run_dir = Path(config.train.run_dir).resolve()
     if not resuming and (run_dir / "metrics.jsonl").exists() and not config.train.overwrite:
         raise QerlError(f"{run_dir} already holds a run; pick another train.run_dir, set train.overwrite=true "
@@ -111,7 +112,7 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    started_ray = connect_ray(config)
+    started_ray = connect_ray(config, log)
     try:
         spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
                            config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")

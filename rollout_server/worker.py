@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import tempfile
 import time
 import uuid
@@ -20,6 +21,7 @@ import numpy as np
 
 from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
+from shared.errors import QerlError
 from shared.process_output import actor_log_env, redirect_output_to_log_file
 from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
@@ -65,6 +67,10 @@ class RolloutWorker:
         from rollout_server.vllm_internals import vllm_line
 
         redirect_output_to_log_file()
+        if not os.path.isdir(served.path):  # another node than the learner's, without shared storage
+            raise QerlError(f"rollout worker {worker_id} on {socket.gethostname()}: the rollout base "
+                            f"{served.path} is not on this node; the learner writes it under train.run_dir "
+                            f"(or QERL_CACHE_DIR) on its own node: put those on storage every node mounts")
 
         self.worker_id = worker_id
         self.adapter_version = 0  # 0: the bare base, no adapter yet

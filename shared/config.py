@@ -271,6 +271,9 @@ class RayConfig(_Strict):
     log_to_driver: bool = False
     """Show the actors' own output (vLLM, torch, Ray) on the console; otherwise it goes only to
     run_dir/logs/ (`qerl train --verbose` sets this)."""
+    placement_timeout_s: float = Field(60.0, ge=0)
+    """How long to wait for a cluster too small for the run's actors to grow (an autoscaler
+    adding nodes) before stopping with an error that names what did not fit."""
 
 
 RENAMED = {
