@@ -237,6 +237,11 @@ def _generate_groups(run: Run, problems: list[Problem], sampling: SamplingSettin
     groups = [Group(problem, ids, []) for problem, ids in zip(problems, prompt_ids)]
     for completion in run.pool.generate(prompt_ids, sampling):
         groups[completion.prompt_index].completions.append(completion)
+    # a shard re-dispatched after a worker died must neither be lost nor counted twice
+    wrong = [i for i, g in enumerate(groups) if len(g.completions) != sampling.samples_per_prompt]
+    if wrong:
+        raise QerlError(f"internal: prompt {wrong[0]} came back with {len(groups[wrong[0]].completions)} "
+                        f"completions, not {sampling.samples_per_prompt}")
     return groups
 
 
@@ -324,7 +329,8 @@ def sync(run: Run) -> dict[str, float]:
     """The learner's new adapter into every worker, from memory."""
     started = time.perf_counter()
     worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote())
-    return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3, "sync/worker_load_ms_max": max(worker_ms)}
+    return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3, "sync/worker_load_ms_max": max(worker_ms),
+            **run.pool.fleet_metrics()}
 
 
 def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: dict, step_s: float) -> dict:
@@ -348,6 +354,7 @@ def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: 
         "aqn/sigma": rollouts.sigma,
         **sync_stats,
         "adapter/version": completions[0].adapter_version,
+        "adapter/version_min": min(c.adapter_version for c in completions),
         **learner_stats,
         "time/rollout_s": rollouts.seconds,
         "time/step_s": step_s,
