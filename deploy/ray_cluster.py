@@ -92,21 +92,18 @@ def connect_ray(config: QerlConfig, log=print) -> bool:
             ray.init(address=config.ray.address, **quiet)
         except ConnectionError as error:
             raise QerlError(connection_hint(address, error)) from None
-        try:
-            check_cluster_fits(config, config.ray.placement_timeout_s, log)
-        except BaseException:
-            ray.shutdown()
-            raise
-        return False
-    num_cpus = max(config.ray.num_cpus or os.cpu_count() or 1, cpus_needed(config))
-    # the dashboard stays off; nothing of the local instance is meant to be reached from outside
-    ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        wait_s = config.ray.placement_timeout_s
+    else:
+        num_cpus = max(config.ray.num_cpus or os.cpu_count() or 1, cpus_needed(config))
+        # the dashboard stays off; nothing of the local instance is meant to be reached from outside
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        wait_s = 0.0  # a local instance does not grow
     try:
-        check_cluster_fits(config, 0.0, log)  # a local instance does not grow
+        check_cluster_fits(config, wait_s, log)
     except BaseException:
-        ray.shutdown()
+        ray.shutdown()  # this call connected: leave nothing behind
         raise
-    return True
+    return not address
 
 
 def connection_hint(address: str, error: BaseException) -> str:

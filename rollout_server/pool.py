@@ -203,9 +203,10 @@ class RolloutPool:
 
     def shutdown(self) -> None:
         actors = [w for w in self.workers if w is not None] + [a for a, _ in self.replacements.values()]
-        for actor in actors:
+        stopping = [actor.shutdown.remote() for actor in actors]  # all at once, as before
+        for actor, ref in zip(actors, stopping):
             try:
-                ray.get(actor.shutdown.remote(), timeout=60)
+                ray.get(ref, timeout=60)
             except (DEAD_WORKER, ray.exceptions.GetTimeoutError):
                 pass
             ray.kill(actor)
