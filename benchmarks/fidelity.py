@@ -82,7 +82,7 @@ def _measure_pair(config: QerlConfig, policy_format: str, model_path: str, promp
     spec = LearnerSpec(model_path, config.lora, config.learner.model_copy(update={"lr": 1e-2, "warmup_steps": 0}),
                        run_dir, policy, engine_dtype, config.train.seed, learner_device)
     learner = build_learner(spec, log)
-    rollout = config.rollout.model_copy(update={"num_workers": 1, "dtype": engine_dtype})
+    rollout = config.rollout.model_copy(update={"num_workers": 1, "dtype": engine_dtype, "dispatch": "slices"})
     pool = RolloutPool(learner.rollout_base(), rollout, config.lora.rank, log=log)
     n, temperature = rollout.samples_per_prompt, rollout.temperature
     try:

@@ -120,7 +120,7 @@ def bench_rollout(config: QerlConfig, args: RolloutBenchArgs, log=print) -> dict
         for policy_format in formats:
             served = bench_served_base(folder, args.shape, policy_format, config)
             pool = RolloutPool(served, rollout, rank, log=log, worker_class=BenchWorker)
-            worker = pool.workers[0]
+            worker = pool.live_workers()[0]
             try:
                 if adapter is not None:
                     pool.update_adapter(adapter)

@@ -41,19 +41,20 @@ def bench_sync(config: QerlConfig, args: SyncBenchArgs, log=print) -> dict:
         served = bench_served_base(folder, args.shape, config.policy.format, config)
         pool = RolloutPool(served, rollout, config.lora.rank, log=log, worker_class=BenchWorker)
         try:
-            ray.get([worker.time_load_phases.remote(True) for worker in pool.workers])
+            ray.get([worker.time_load_phases.remote(True) for worker in pool.live_workers()])
             for index in range(args.repeats + 1):  # the first of each is a warm-up
                 version = 2 * index + 1
                 started = time.perf_counter()
                 worker_ms = pool.update_adapter(ray.put(replace(update, version=version)))
                 memory.append(((time.perf_counter() - started) * 1e3, max(worker_ms)))
-                slowest = pool.workers[worker_ms.index(max(worker_ms))]
+                slowest = pool.live_workers()[worker_ms.index(max(worker_ms))]
                 phases.append(ray.get(slowest.last_load_phases.remote()))
                 started = time.perf_counter()
                 path = write_peft_folder(update, Path(scratch) / f"v{version + 1}")
-                worker_ms = ray.get([w.load_adapter_from_disk.remote(str(path), version + 1) for w in pool.workers])
+                workers = pool.live_workers()
+                worker_ms = ray.get([w.load_adapter_from_disk.remote(str(path), version + 1) for w in workers])
                 disk.append(((time.perf_counter() - started) * 1e3, max(worker_ms)))
-            served = ray.get([worker.loaded_adapters.remote() for worker in pool.workers])
+            served = ray.get([worker.loaded_adapters.remote() for worker in pool.live_workers()])
         finally:
             pool.shutdown()
     rows = [

@@ -5,6 +5,7 @@ that only benchmarks need."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,19 @@ from shared.types import SamplingSettings
 
 
 class BenchWorker(RolloutWorker):
+    slowdown = 1.0
+
+    def set_slowdown(self, factor: float) -> None:
+        """Make this worker `factor` times slower per generate call (a slow or busy node)."""
+        self.slowdown = factor
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, first_prompt: int = 0):
+        started = time.perf_counter()
+        completions = super().generate(prompts, sampling, first_prompt)
+        if self.slowdown > 1:
+            time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+        return completions
+
     def device(self) -> str:
         return str(self.llm.llm_engine.vllm_config.device_config.device)
 
@@ -59,7 +73,7 @@ def _linear_kernel_names(worker) -> list[str]:
 def bench_rollout_config(rollout: RolloutConfig, random_weights: bool, max_model_len: int) -> RolloutConfig:
     """The config's rollout settings, with what the benchmark itself decides: the context its
     sequences need, and random weights for a shape-only folder."""
-    return rollout.model_copy(update={"max_model_len": max_model_len,
+    return rollout.model_copy(update={"max_model_len": max_model_len, "dispatch": "slices",  # one call per worker
                                       "load_format": "dummy" if random_weights else "auto"})
 
 

@@ -6,6 +6,7 @@
     qerl eval (--config FILE | RUN_DIR) [--adapter PEFT_FOLDER] [section.key=value ...]
     qerl bench rollout|sync|learner|lora-kernels [--config FILE] [--shape NAME] [sweep flags] [overrides]
     qerl report RUN_DIR [RUN_DIR ...] [--out PNG]
+    qerl scale RUN_DIR --workers N [--wait SECONDS]
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run folders, overlaid")
     report.add_argument("--out", type=Path, metavar="PNG", help="default: <first RUN_DIR>/report.png")
     report.set_defaults(overrides=[])  # parse_args collects stray key=value tokens into overrides
+    scale = commands.add_parser("scale", help="change the rollout fleet of a running training from its next step")
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the folder of a running qerl train")
+    scale.add_argument("--workers", type=int, required=True, metavar="N", help="rollout workers wanted (>= 1)")
+    scale.add_argument("--wait", type=float, metavar="SECONDS",
+                       help="how long to wait for the cluster to have room for new workers (default: the run's "
+                            "ray.placement_timeout_s)")
+    scale.set_defaults(overrides=[])
     bench = commands.add_parser("bench", help="rollout, adapter-sync, learner and LoRA-kernel benchmarks")
     add_bench_parsers(bench)
     return parser
@@ -71,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("eval --config needs --adapter PEFT_FOLDER")
     if args.command == "train" and args.verbose:
         args.overrides.append("ray.log_to_driver=true")
-    if args.command == "report" and args.overrides:
-        parser.error(f"report takes no section.key=value overrides: {' '.join(args.overrides)}")
+    if args.command in ("report", "scale") and args.overrides:
+        parser.error(f"{args.command} takes no section.key=value overrides: {' '.join(args.overrides)}")
     return args
 
 
@@ -83,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
             from deploy.report import report
 
             report(args.run_dirs, args.out)
+            return 0
+        if args.command == "scale":  # joins the run's Ray cluster; the run's driver applies it
+            from deploy.fleet_control import scale
+
+            scale(args.run_dir, args.workers, args.wait)
             return 0
         from shared.config import load_config
 

@@ -17,17 +17,19 @@ from shared.tasks import Problem, Task, build_task
 from shared.types import AdapterUpdate, SamplingSettings
 
 EVAL_SEED_OFFSET = 7_777_777  # eval draws never share seeds with training steps
+EVAL_ORDER = -1  # the work queue serves an evaluation before training batches submitted ahead
 
 
 def evaluate(pool, tokenizer, task: Task, problems: list[Problem], config: QerlConfig, seed: int) -> dict[str, float]:
     """eval/accuracy (greedy), eval/sampled_accuracy and eval/pass_at_k over `problems`, with the
     pool's current adapter and no AQN noise."""
-    pool.set_noise(0.0, seed=seed)
     prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
     max_new = config.rollout.max_new_tokens
     k = config.train.eval_samples
-    greedy = pool.generate(prompt_ids, SamplingSettings(1, 0.0, max_new, seed=seed))
-    sampled = pool.generate(prompt_ids, SamplingSettings(k, config.rollout.temperature, max_new, seed=seed + 1))
+    # ahead of any training batch in the queue; the batches carry no AQN noise
+    greedy = pool.generate(prompt_ids, SamplingSettings(1, 0.0, max_new, seed=seed), order=EVAL_ORDER)
+    sampled = pool.generate(prompt_ids, SamplingSettings(k, config.rollout.temperature, max_new, seed=seed + 1),
+                            order=EVAL_ORDER)
     correct = _correct(tokenizer, task, problems, greedy)
     sampled_correct = _correct(tokenizer, task, problems, sampled)
     by_problem = [[] for _ in problems]

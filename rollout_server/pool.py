@@ -1,20 +1,27 @@
-"""RolloutPool: the driver's handle on N RolloutWorker actors, and the fleet's state.
+"""RolloutPool: the driver's handle on the RolloutWorker actors, and the fleet's state.
 
-The pool holds what every worker must serve: the current adapter (an object-store reference
-and its version) and the AQN sigma with its seed. It shards prompts across workers (`submit`
-returns one pending shard per worker, `collect` gathers them as they finish with `ray.wait`),
-pushes adapter updates (one object-store reference, every worker swaps it in from memory) and
-broadcasts the AQN sigma. Workers are placed by Ray on any node with the resources the config
-asks for.
+The pool holds what every worker must serve (the current adapter, as an object-store reference
+and its version) and the work queue (`rollout_server.dispatch`): `submit` cuts a batch of
+prompts into chunks, and whenever a worker is idle it gets the next chunk, preceded by the
+batch's AQN noise where the worker holds other noise. The driver drives the queue while it
+waits (`collect` for a batch, `wait_for` for anything else, such as the learner's step), so
+generation goes on while the learner trains when batches are submitted ahead.
+
+The fleet is elastic: `scale(n)` starts workers in the background or retires some (a retiring
+worker finishes the chunk it holds first); a worker whose process dies has its chunk put back
+in the queue and is replaced. A new or replacement worker loads the current adapter before it
+is given any work. Workers are placed by Ray on any node with the resources the config asks for.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field
 
 import ray
 
+from rollout_server.dispatch import NO_NOISE, Batch, Chunk, Noise, WorkerStats, cut
 from rollout_server.worker import RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
 from shared.errors import QerlError
@@ -26,30 +33,27 @@ DEAD_WORKER = (ray.exceptions.RayActorError,)
 
 
 MAX_RESTARTS = 3
-"""Replacements the pool starts for one worker slot before it leaves the slot empty."""
-
-
-@dataclass(frozen=True)
-class PendingShard:
-    """A shard of prompts in flight on worker `worker`; its completions' prompt indices start at
-    `first_prompt` of the whole batch. The prompts and settings stay with it, so a shard whose
-    worker dies can go to another one (the same seeds, so the same samples)."""
-
-    ref: ray.ObjectRef
-    first_prompt: int
-    worker: int
-    prompts: list[list[int]]
-    sampling: SamplingSettings
+"""Starts the pool retries for one worker slot (after a death or a failed start) before it
+leaves the slot empty."""
 
 
 @dataclass
 class FleetState:
     adapter: ray.ObjectRef | None = None
     adapter_version: int = 0
-    sigma: float = 0.0
-    noise_seed: int = 0
     restarts: int = 0
     """Replacement workers started since the run began."""
+
+
+@dataclass
+class Running:
+    """A chunk in flight on worker `slot`, and the calls queued before it on that worker (its
+    noise), which must have succeeded too."""
+
+    slot: int
+    chunk: Chunk
+    started: float
+    before: list[ray.ObjectRef] = field(default_factory=list)
 
 
 class RolloutPool:
@@ -62,155 +66,333 @@ class RolloutPool:
         self.log_dir = log_dir
         self.state = FleetState()
         self._actor = ray.remote(worker_class)
-        self.workers: list = [self._start(index) for index in range(config.num_workers)]
-        """Worker i's actor, or None while its slot is empty (dead, replacement not yet serving)."""
-        self.replacements: dict[int, tuple] = {}  # slot -> (actor, its ready() reference)
-        self.attempts = [0] * config.num_workers
-        with progress(len(self.workers), "starting rollout engines") as bar:
-            for index, worker in enumerate(self.workers):
-                info = ready_or_error(worker, f"rollout worker {index}")
+        self.target = config.num_workers
+        self.workers: dict[int, ray.actor.ActorHandle] = {}
+        """Live workers by slot."""
+        self.starting: dict[int, tuple] = {}  # slot -> (actor, its ready() reference)
+        self.retiring: set[int] = set()  # live workers given no more work, stopped once idle
+        self.attempts: dict[int, int] = {}
+        self.noise_on: dict[int, Noise] = {}
+        self.queue: list[Chunk] = []
+        self.running: dict[ray.ObjectRef, Running] = {}
+        self.pending_loads: dict[ray.ObjectRef, int] = {}  # adapter pushes not yet confirmed, by slot
+        self.load_ms: list[tuple[int, float]] = []  # (slot, ms) of confirmed adapter loads
+        self.stats: dict[int, WorkerStats] = {}
+        self.served_before: set[int] = set()
+        self._next_slot = 0
+        actors = {self._new_slot(): None for _ in range(config.num_workers)}
+        for slot in actors:
+            actors[slot] = self._start_actor(slot)
+        with progress(len(actors), "starting rollout engines") as bar:
+            for slot, actor in actors.items():
+                info = ready_or_error(actor, f"rollout worker {slot}")
                 bar.update()
+                self._admit(slot, actor)
                 log(f"[qerl] rollout worker {info['worker_id']} ready (engine start {info['start_s']} s"
                     f"{gpu_memory_note(info)})")
 
-    def _start(self, index: int):
-        options = worker_actor_options(self.config, index, self.log_dir)
-        return self._actor.options(**options).remote(index, self.served, self.config, self.max_lora_rank)
+    # -- the fleet
+
+    def _new_slot(self) -> int:
+        slot, self._next_slot = self._next_slot, self._next_slot + 1
+        self.attempts[slot] = 0
+        return slot
+
+    def _start_actor(self, slot: int):
+        options = worker_actor_options(self.config, slot, self.log_dir)
+        return self._actor.options(**options).remote(slot, self.served, self.config, self.max_lora_rank)
+
+    def _start_in_background(self, slot: int) -> None:
+        actor = self._start_actor(slot)
+        self.starting[slot] = (actor, actor.ready.remote())
+
+    def _admit(self, slot: int, actor) -> None:
+        self.served_before.add(slot)
+        self.workers[slot] = actor
+        self.noise_on[slot] = NO_NOISE
+        self.stats.setdefault(slot, WorkerStats())
 
     def live(self) -> list[int]:
-        return [index for index, worker in enumerate(self.workers) if worker is not None]
+        """Slots of the workers that take work (live and not retiring)."""
+        return sorted(slot for slot in self.workers if slot not in self.retiring)
+
+    def live_workers(self) -> list:
+        return [self.workers[slot] for slot in self.live()]
+
+    def scale(self, target: int) -> None:
+        """Grow or shrink the fleet to `target` workers: new ones start in the background and
+        serve once they hold the current adapter; removed ones (starting ones first) stop once
+        the chunk they hold is done."""
+        if target < 1:
+            raise QerlError(f"a fleet needs at least 1 rollout worker, not {target}")
+        before = len(self.live()) + len(self.starting)
+        self.target = target
+        while self.retiring and len(self.live()) + len(self.starting) < target:
+            self.retiring.discard(max(self.retiring))  # a retiring worker is the cheapest to keep
+        while len(self.live()) + len(self.starting) > target and self.starting:
+            slot = max(self.starting)
+            ray.kill(self.starting.pop(slot)[0])
+        excess = len(self.live()) + len(self.starting) - target
+        if excess > 0:
+            self.retiring.update(self.live()[-excess:])
+        while len(self.live()) + len(self.starting) < target:
+            self._start_in_background(self._new_slot())
+        if target != before:
+            self.log(f"[qerl] rollout workers: {before} -> {target}"
+                     + (f" ({len(self.starting)} starting)" if self.starting else ""))
+        self._stop_idle_retiring()
+
+    def _stop_idle_retiring(self) -> None:
+        busy = {run.slot for run in self.running.values()} | set(self.pending_loads.values())
+        for slot in sorted(self.retiring - busy):
+            self.retiring.discard(slot)
+            actor = self.workers.pop(slot)
+            self.noise_on.pop(slot, None)
+            _stop_actor(actor)
+            self.log(f"[qerl] rollout worker {slot} retired")
 
     def fleet_metrics(self) -> dict[str, float]:
-        return {"fleet/workers": len(self.live()), "fleet/restarts": self.state.restarts}
+        return {"fleet/workers": len(self.live()), "fleet/target": self.target, "fleet/restarts": self.state.restarts}
 
-    # -- dead workers: re-dispatch, replace in the background, admit once it serves the current state
+    def worker_metrics(self, window_s: float) -> dict[str, float]:
+        """Each worker's requests (chunks), prompts, tokens/s while generating and busy fraction
+        of `window_s` since the last call; then the counts start again."""
+        record = {}
+        for slot, stats in sorted(self.stats.items()):
+            if stats.chunks or slot in self.workers:
+                record |= stats.metrics(f"fleet/worker{slot}", window_s)
+        self.stats = {slot: WorkerStats() for slot in self.workers}
+        return record
 
-    def _worker_died(self, index: int, error: BaseException) -> None:
-        if self.workers[index] is None:
+    # -- dead workers and failed starts: requeue, replace in the background, admit once it serves
+
+    def _worker_died(self, slot: int, error: BaseException) -> None:
+        actor = self.workers.pop(slot, None)
+        if actor is None:
             return
-        ray.kill(self.workers[index], no_restart=True)
-        self.workers[index] = None
-        replacing = self.attempts[index] < MAX_RESTARTS
+        ray.kill(actor, no_restart=True)
+        self.noise_on.pop(slot, None)
+        for ref in [ref for ref, run in self.running.items() if run.slot == slot]:
+            self._requeue(self.running.pop(ref).chunk)
+        for ref in [ref for ref, owner in self.pending_loads.items() if owner == slot]:
+            del self.pending_loads[ref]
         cause = root_cause(error).split(". ")[0]  # Ray's note on a dead worker runs to a paragraph
-        self.log(f"[qerl] rollout worker {index} died ({cause}); its prompts go to the live workers"
-                 + ("; a replacement is starting" if replacing else f"; {MAX_RESTARTS} replacements failed, "
-                    "its slot stays empty"))
-        if replacing:
-            self.attempts[index] += 1
-            self.state.restarts += 1
-            actor = self._start(index)
-            self.replacements[index] = (actor, actor.ready.remote())
-        if not self.live() and not self.replacements:
-            raise QerlError(f"every rollout worker is dead (the last, worker {index}: {cause})")
+        if slot in self.retiring:
+            self.retiring.discard(slot)
+            self.log(f"[qerl] rollout worker {slot} died while retiring ({cause})")
+            return
+        self.log(f"[qerl] rollout worker {slot} died ({cause}); its prompts go to the live workers"
+                 + self._restart(slot))
+        self._check_any_left(slot, cause)
 
-    def admit_replacements(self, wait: bool = False) -> None:
-        """Replacements whose engine is up get the fleet's adapter and AQN noise, then serve.
+    def _start_failed(self, slot: int, error: BaseException) -> None:
+        cause = root_cause(error)
+        self.log(f"[qerl] rollout worker {slot} could not start ({cause})" + self._restart(slot))
+        self._check_any_left(slot, cause)
+
+    def _restart(self, slot: int) -> str:
+        """Start `slot` again if it has starts left and the fleet is short; the log line's tail."""
+        if len(self.live()) + len(self.starting) >= self.target:
+            return ""
+        if self.attempts[slot] >= MAX_RESTARTS:
+            return f"; {MAX_RESTARTS} replacements failed, its slot stays empty"
+        self.attempts[slot] += 1
+        self.state.restarts += 1
+        self._start_in_background(slot)
+        return "; a replacement is starting"
+
+    def _check_any_left(self, slot: int, cause: str) -> None:
+        if not self.workers and not self.starting:
+            raise QerlError(f"every rollout worker is dead (the last, worker {slot}: {cause})")
+
+    def admit_started(self, wait: bool = False) -> None:
+        """Started workers whose engine is up load the fleet's adapter, then take work.
         `wait`: block until at least one worker is live (when none is)."""
-        while self.replacements:
-            refs = {ready: index for index, (_, ready) in self.replacements.items()}
-            done, _ = ray.wait(list(refs), num_returns=1, timeout=None if wait and not self.live() else 0)
+        while self.starting:
+            refs = {ready: slot for slot, (_, ready) in self.starting.items()}
+            block = wait and not self.live()
+            done, _ = ray.wait(list(refs), num_returns=1, timeout=None if block else 0)
             if not done:
                 return
-            index = refs[done[0]]
-            actor, _ = self.replacements.pop(index)
+            slot = refs[done[0]]
+            actor, _ = self.starting.pop(slot)
             try:
                 info = ray.get(done[0])
                 if self.state.adapter is not None:
                     ray.get(actor.load_adapter.remote(self.state.adapter))
-                ray.get(actor.set_noise.remote(self.state.sigma, self.state.noise_seed + index))
-            except DEAD_WORKER as error:
-                self.workers[index] = actor
-                self._worker_died(index, error)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as error:
+                ray.kill(actor)
+                self._start_failed(slot, error)
                 continue
-            self.workers[index] = actor
-            self.log(f"[qerl] rollout worker {index} replaced (engine start {info['start_s']} s), serving adapter "
+            what = "replaced" if slot in self.served_before else "added"
+            self._admit(slot, actor)
+            self.log(f"[qerl] rollout worker {slot} {what} (engine start {info['start_s']} s), serving adapter "
                      f"version {self.state.adapter_version}")
 
-    def _on_live_workers(self, call) -> dict[int, object]:
-        """call(index, worker) on every live worker, its result by slot; a worker that died on the
-        way is replaced (its result left out)."""
-        refs = {index: call(index, self.workers[index]) for index in self.live()}
-        results = {}
-        for index, ref in refs.items():
-            try:
-                results[index] = ray.get(ref)
-            except DEAD_WORKER as error:
-                self._worker_died(index, error)
-        return results
+    # -- the work queue
 
-    # -- the fleet's work
+    def submit(self, prompts: list[list[int]], sampling: SamplingSettings, noise: Noise = NO_NOISE,
+               order: int = 0) -> Batch:
+        """Queue `prompts` (each for `samples_per_prompt` completions under `noise`) and start on
+        them; `collect` returns their completions. Chunks go out by `order`, then prompt index."""
+        batch = Batch(order, sampling, noise)
+        for first, prompts_of_chunk in cut(prompts, self._chunk_prompts(len(prompts), sampling)):
+            self._requeue(Chunk(batch, first, prompts_of_chunk))
+            batch.chunks_left += 1
+        self._dispatch()
+        return batch
 
-    def submit(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[PendingShard]:
-        """Start generating: one contiguous shard of the prompts per live worker (each prompt's
-        sampling seed follows from its index in the whole batch, whichever worker serves it)."""
-        self.admit_replacements(wait=True)
-        live = self.live()
-        pending = []
-        for slot, (start, stop) in zip(live, contiguous_slices(len(prompts), len(live))):
-            if stop > start:
-                pending.append(self._dispatch(slot, prompts[start:stop], sampling, start))
-        return pending
+    def _chunk_prompts(self, prompts: int, sampling: SamplingSettings) -> int:
+        if self.config.dispatch == "slices":  # one contiguous slice per live worker
+            self.admit_started(wait=True)
+            return max(stop - start for start, stop in contiguous_slices(prompts, len(self.live())))
+        return max(1, self.config.chunk_sequences // sampling.samples_per_prompt)
 
-    def _dispatch(self, slot: int, prompts: list[list[int]], sampling: SamplingSettings, first: int) -> PendingShard:
-        ref = self.workers[slot].generate.remote(prompts, sampling, first)
-        return PendingShard(ref, first, slot, prompts, sampling)
+    def _requeue(self, chunk: Chunk) -> None:
+        self.queue.append(chunk)
+        self.queue.sort(key=Chunk.sort_key)
 
-    def collect(self, pending: list[PendingShard]) -> list[Completion]:
-        """The completions of every pending shard, in prompt order, gathered as shards finish; the
-        shard of a worker that dies goes to another live worker."""
-        by_ref = {shard.ref: shard for shard in pending}
-        finished: dict[int, list[Completion]] = {}
-        waiting = list(by_ref)
-        while waiting:
-            done, waiting = ray.wait(waiting, num_returns=1)
-            shard = by_ref.pop(done[0])
-            try:
-                completions = ray.get(done[0])
-            except DEAD_WORKER as error:
-                self._worker_died(shard.worker, error)
-                self.admit_replacements(wait=True)
-                live = self.live()
-                retry = self._dispatch(live[shard.first_prompt % len(live)], shard.prompts, shard.sampling,
-                                       shard.first_prompt)
-                by_ref[retry.ref] = retry
-                waiting.append(retry.ref)
+    def _dispatch(self) -> None:
+        """The next chunks to the idle workers (lowest slot first)."""
+        busy = {run.slot for run in self.running.values()}
+        for slot in self.live():
+            if not self.queue:
+                return
+            if slot in busy:
                 continue
-            finished[shard.first_prompt] = [
-                replace(c, prompt_index=c.prompt_index + shard.first_prompt) for c in completions
-            ]
-        return [c for first in sorted(finished) for c in finished[first]]
+            chunk = self.queue.pop(0)
+            worker, before = self.workers[slot], []
+            if self.noise_on[slot] != chunk.batch.noise:  # queued ahead of the generate on that worker
+                before.append(worker.set_noise.remote(chunk.batch.noise.sigma, chunk.batch.noise.seed))
+                self.noise_on[slot] = chunk.batch.noise
+            ref = worker.generate.remote(chunk.prompts, chunk.batch.sampling, chunk.first)
+            now = time.perf_counter()
+            self.running[ref] = Running(slot, chunk, now, before)
+            if chunk.batch.first_dispatch is None:
+                chunk.batch.first_dispatch = now
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[Completion]:
+    def _pump(self, also: list[ray.ObjectRef] = (), block: bool = True) -> None:
+        """Admit started workers, stop idle retiring ones, hand out chunks, then wait for one
+        chunk or start to finish (or one of `also`) and take it in."""
+        self.admit_started(wait=bool(self.queue))
+        self._take_loads(wait=False)
+        self._stop_idle_retiring()
+        self._dispatch()
+        starting = {ready: slot for slot, (_, ready) in self.starting.items()}
+        waiting = [*self.running, *starting, *also]
+        if not waiting:
+            if self.queue:
+                raise QerlError("internal: prompts are queued and no rollout worker is live or starting")
+            return
+        done, _ = ray.wait(waiting, num_returns=1, timeout=None if block else 0)
+        for ref in done:
+            if ref in self.running:
+                self._chunk_finished(ref)
+
+    def _chunk_finished(self, ref: ray.ObjectRef) -> None:
+        run = self.running.pop(ref)
+        try:
+            ray.get(run.before)
+            completions: list[Completion] = ray.get(ref)
+        except DEAD_WORKER as error:
+            self._requeue(run.chunk)  # the same prompts, seeds and noise, on another worker
+            self._worker_died(run.slot, error)
+            return
+        except ray.exceptions.RayTaskError as error:
+            raise QerlError(f"rollout worker {run.slot} failed: {root_cause(error)}") from None
+        self.stats[run.slot].add(run.chunk, completions, time.perf_counter() - run.started)
+        run.chunk.finish(completions)
+
+    def collect(self, batch: Batch) -> list[Completion]:
+        """The batch's completions in prompt order, once every chunk is in (the chunk of a worker
+        that died goes to another one: the same seeds, so the same samples)."""
+        while not batch.done():
+            chunks = [run.chunk for run in self.running.values()] + self.queue
+            if not any(chunk.batch is batch for chunk in chunks):  # lost: would wait forever
+                raise QerlError("internal: a batch is incomplete and no chunk of it is queued or in flight")
+            self._pump()
+        self._dispatch()  # what is queued behind it starts now, not at the next call
+        return batch.completions()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, noise: Noise = NO_NOISE,
+                 order: int = 0) -> list[Completion]:
         """Completions for every prompt, in prompt order, `samples_per_prompt` each."""
-        return self.collect(self.submit(prompts, sampling))
+        return self.collect(self.submit(prompts, sampling, noise, order))
 
-    def update_adapter(self, update: AdapterUpdate | ray.ObjectRef) -> list[float]:
-        """Every live worker swaps in the adapter (a replacement gets it before it serves);
-        returns each worker's load time in ms."""
+    def wait_for(self, ref: ray.ObjectRef) -> tuple[object, float]:
+        """`ray.get(ref)` while the queue keeps the workers busy; also returns the fraction of
+        the wait during which some chunk was being generated."""
+        started = time.perf_counter()
+        overlapped = 0.0
+        while not ray.wait([ref], timeout=0)[0]:
+            tick = time.perf_counter()
+            generating = bool(self.running) or bool(self.queue)
+            self._pump(also=[ref])
+            if generating:
+                overlapped += time.perf_counter() - tick
+        waited = time.perf_counter() - started
+        return ray.get(ref), (overlapped / waited if waited > 0 else 0.0)
+
+    # -- what every worker serves
+
+    def update_adapter(self, update: AdapterUpdate | ray.ObjectRef, version: int | None = None,
+                       wait: bool = True) -> list[float]:
+        """Every live worker swaps in the adapter (a worker that starts later loads it before it
+        serves). A worker in the middle of a chunk loads it after that chunk, before its next.
+        `wait`: block until every worker has it and return each one's load time in ms; else the
+        times are reported by a later `load_times`."""
         ref = update if isinstance(update, ray.ObjectRef) else ray.put(update)
         self.state.adapter = ref
-        loads: dict[int, AdapterLoaded] = self._on_live_workers(lambda i, w: w.load_adapter.remote(ref))
-        if not loads:  # every worker died on the way: the replacements load it when admitted
-            self.admit_replacements(wait=True)
-            return [0.0]
-        self.state.adapter_version = next(iter(loads.values())).version
-        return [load.load_ms for load in loads.values()]
+        if version is not None:
+            self.state.adapter_version = version
+        for slot, worker in self.workers.items():
+            self.pending_loads[worker.load_adapter.remote(ref)] = slot
+        if not wait:
+            return []
+        if not self.workers:  # the replacements load it when admitted
+            self.admit_started(wait=True)
+        return self.load_times(wait=True)
 
-    def set_noise(self, sigma: float, seed: int) -> None:
-        """AQN: every worker draws fresh RMSNorm noise (worker i from seed + i)."""
-        self.state.sigma, self.state.noise_seed = sigma, seed
-        self._on_live_workers(lambda i, w: w.set_noise.remote(sigma, seed + i))
+    def load_times(self, wait: bool = False) -> list[float]:
+        """Milliseconds of each adapter load confirmed since the last call (`wait`: all pending),
+        by worker slot."""
+        self._take_loads(wait)
+        times, self.load_ms = sorted(self.load_ms), []
+        return [ms for _, ms in times]
+
+    def _take_loads(self, wait: bool) -> None:
+        while self.pending_loads:
+            done, _ = ray.wait(list(self.pending_loads), num_returns=len(self.pending_loads) if wait else 1,
+                               timeout=None if wait else 0)
+            if not done:
+                return
+            for ref in done:
+                slot = self.pending_loads.pop(ref)
+                try:
+                    loaded: AdapterLoaded = ray.get(ref)
+                except DEAD_WORKER as error:
+                    self._worker_died(slot, error)
+                    continue
+                except ray.exceptions.RayTaskError as error:
+                    raise QerlError(f"rollout worker {slot} could not load the adapter: {root_cause(error)}") from None
+                self.state.adapter_version = max(self.state.adapter_version, loaded.version)
+                self.load_ms.append((slot, loaded.load_ms))
 
     def shutdown(self) -> None:
-        actors = [w for w in self.workers if w is not None] + [a for a, _ in self.replacements.values()]
-        stopping = [actor.shutdown.remote() for actor in actors]  # all at once, as before
+        actors = [*self.workers.values(), *(actor for actor, _ in self.starting.values())]
+        stopping = [actor.shutdown.remote() for actor in actors]  # all at once
         for actor, ref in zip(actors, stopping):
-            try:
-                ray.get(ref, timeout=60)
-            except (DEAD_WORKER, ray.exceptions.GetTimeoutError):
-                pass
-            ray.kill(actor)
-        self.workers, self.replacements = [], {}
+            _stop_actor(actor, ref)
+        self.workers, self.starting, self.running, self.queue = {}, {}, {}, []
+
+
+def _stop_actor(actor, stopping: ray.ObjectRef | None = None) -> None:
+    """Shut the worker's engine down (so nothing is left in /dev/shm), then end its process."""
+    try:
+        ray.get(stopping if stopping is not None else actor.shutdown.remote(), timeout=60)
+    except (DEAD_WORKER, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
+        pass
+    ray.kill(actor)
 
 
 def ready_or_error(actor, name: str) -> dict:

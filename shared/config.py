@@ -37,6 +37,12 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     path: str | None = None
     """Local Hugging Face model folder. None: the embedded tiny model (built and cached locally)."""
+    random_weights: bool = False
+    """Memory and speed runs only: random weights of model.path's shape (its config.json and
+    tokenizer; no weight files needed) on both sides, nothing read from disk: the learner draws
+    its own in memory, the engines use vLLM's dummy load (not the same values: nothing learns).
+    For the dense pairs (bf16, fp32); random int4/NVFP4 folders are written by
+    `python -m benchmarks.shapes NAME DIR --packed int4`."""
 
 
 class PolicyConfig(_Strict):
@@ -72,6 +78,19 @@ class RolloutConfig(_Strict):
     """Rollout worker actors, each one vLLM engine."""
     num_cpus_per_worker: float = Field(0.5, gt=0)
     num_gpus_per_worker: float = Field(0.0, ge=0)
+    dispatch: Literal["queue", "slices"] = "queue"
+    """How a step's prompts reach the workers. "queue": cut into chunks of chunk_sequences that
+    each idle worker pulls in turn, so a slower or busier worker takes fewer (a run's samples
+    then do not depend on the fleet); "slices": one equal contiguous slice per worker (the
+    largest engine batches, but the slowest worker sets the step's pace)."""
+    chunk_sequences: int = Field(32, ge=1)
+    """Sequences (prompts x samples_per_prompt) per generate call under dispatch "queue": smaller
+    chunks balance the fleet better, larger ones batch better (on a GPU, the concurrency at
+    which the engine's tok/s levels off: BENCHMARKS.md)."""
+    max_staleness: int = Field(0, ge=0)
+    """Asynchronous rollouts: generate the next this many steps' batches while the learner
+    trains, so no sample trained on lags the learner by more than this many adapter versions
+    (older ones are dropped and counted). 0: the synchronous loop."""
     samples_per_prompt: int = Field(8, ge=1)
     """Group size n: completions per prompt, normalised together for the advantage."""
     max_new_tokens: int = Field(8, ge=1)
@@ -306,15 +325,20 @@ class QerlConfig(_Strict):
         return self.rollout.engine_dtype(self.policy.format)
 
     def seqs_per_engine(self) -> int:
-        """Sequences one engine holds in flight in a training step (prompts split across workers)."""
-        prompts = -(-self.train.prompts_per_step // self.rollout.num_workers)
-        return prompts * self.rollout.samples_per_prompt
+        """Sequences one engine holds in flight in a generate call of a training step."""
+        rollout, prompts = self.rollout, self.train.prompts_per_step
+        if rollout.dispatch == "slices":
+            per_call = -(-prompts // rollout.num_workers)
+        else:
+            per_call = min(prompts, max(1, rollout.chunk_sequences // rollout.samples_per_prompt))
+        return per_call * rollout.samples_per_prompt
 
     def engine_rollout(self) -> RolloutConfig:
         """The rollout settings the training and eval engines start with: "auto" choices resolved."""
         backend = linear_backend_for(self.rollout.linear_backend, self.policy.format, self.rollout.device(),
                                      self.seqs_per_engine())
-        return self.rollout.model_copy(update={"linear_backend": backend})
+        load_format = "dummy" if self.model.random_weights else self.rollout.load_format
+        return self.rollout.model_copy(update={"linear_backend": backend, "load_format": load_format})
 
     @model_validator(mode="after")
     def _cross_process_rules(self) -> QerlConfig:
@@ -328,7 +352,11 @@ class QerlConfig(_Strict):
             raise ValueError(f"rollout.dtype {self.engine_dtype()} on CPU workers: policy.format "
                              f"{self.policy.format} runs in float32 on CPU")
         if self.rollout.load_format == "dummy":
-            raise ValueError("rollout.load_format=dummy (random weights) is for benchmarks, not training")
+            raise ValueError("rollout.load_format=dummy (random weights) is for benchmarks, not training; "
+                             "model.random_weights gives a memory run random weights on both sides")
+        if self.model.random_weights and self.policy.pair().learner not in ("bf16", "fp32"):
+            raise ValueError(f"model.random_weights takes policy.format bf16 or fp32, not {self.policy.format} "
+                             f"(random int4/NVFP4 folders: python -m benchmarks.shapes NAME DIR --packed int4)")
         return self
 
 

@@ -80,3 +80,5 @@ class TrainSample:
     completion_ids: list[int]
     rollout_logprobs: list[float]
     advantage: float
+    staleness: int = 0
+    """Adapter versions between the one that generated it and the learner's at training."""

@@ -3,6 +3,8 @@ In process: the entry point's `main` as the console script calls it."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +203,17 @@ def test_tensorboard_without_its_package_is_refused_before_anything_starts(tmp_p
     _assert_one_line_error(result, "tensorboard package is not installed")
     assert not (tmp_path / "run").exists()
 
+
+
+def test_scale_without_a_running_training(tmp_path, capsys):
+    _assert_one_line_error(_qerl(capsys, "scale", str(tmp_path), "--workers", "2"), "no running training")
+    _assert_one_line_error(_qerl(capsys, "scale", str(tmp_path), "--workers", "0"), "--workers must be at least 1")
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "control.json").write_text(json.dumps({"ray_address": "127.0.0.1:1", "namespace": "qerl",
+                                                       "actor": "x", "pid": int(ended.stdout),
+                                                       "host": socket.gethostname()}))
+    _assert_one_line_error(_qerl(capsys, "scale", str(tmp_path), "--workers", "2"), "has ended; control.json is stale")
+    (tmp_path / "control.json").write_text("{not json")
+    _assert_one_line_error(_qerl(capsys, "scale", str(tmp_path), "--workers", "2"), "is not a qerl control file")
+    code, _, err = _qerl(capsys, "scale", str(tmp_path), "--workers", "2", "rollout.num_workers=3")
+    assert code == 2 and "scale takes no section.key=value overrides" in err

@@ -64,7 +64,12 @@ def test_lora_kernel_configs_folder_is_made_absolute(tmp_path, monkeypatch):
     # a GPU int4 engine with 2 prompts x 8 samples in flight: Marlin (it wins at 16 sequences)
     (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=4", "rollout.num_workers=2"], "marlin"),
     # 16 prompts x 8 = 128 sequences on the one engine: vLLM's own choice (Machete)
-    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1"], "vllm"),
+    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1",
+      "rollout.chunk_sequences=128"], "vllm"),
+    # the same in chunks of 32 sequences: Marlin
+    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1"], "marlin"),
+    # equal slices: 8 prompts x 8 on each of 2 engines
+    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.dispatch=slices"], "vllm"),
     # CPU workers have one int4 kernel: nothing to choose
     (["train.prompts_per_step=4"], "vllm"),
     # a forced choice is kept whatever the concurrency
@@ -78,7 +83,7 @@ def test_the_linear_kernel_follows_the_engines_concurrency(overrides, backend):
 def test_a_dense_engine_leaves_the_kernel_to_vllm():
     config = load_config(None, ["policy.format=bf16", "rollout.dtype=bfloat16", "rollout.num_gpus_per_worker=1",
                                 "train.prompts_per_step=2"])
-    assert config.seqs_per_engine() == 8 and config.engine_rollout().linear_backend == "vllm"
+    assert config.seqs_per_engine() == 16 and config.engine_rollout().linear_backend == "vllm"
 
 
 def test_an_unknown_linear_backend_is_one_line():

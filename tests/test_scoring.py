@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from deploy.train import Group, _informative, score, training_samples
+from deploy.rollouts import Group, informative, score, training_samples
 from shared.config import load_config
 from shared.tasks import Problem
 from shared.tasks.addition import AdditionTask
@@ -57,7 +57,7 @@ def test_dynamic_sampling_keeps_groups_with_a_reward_spread():
     groups = [_group(run.tokenizer, Problem("1+2=", "3"), ["3", "3"]), _group(run.tokenizer, Problem("1+3=", "4"),
               ["4", "5"]), _group(run.tokenizer, Problem("1+4=", "5"), ["1", "2"])]
     score(run, groups)
-    kept = _informative(groups)
+    kept = informative(groups)
     assert [g.problem.prompt for g in kept] == ["1+3="]
     samples = training_samples(kept, 2)
     assert [round(s.advantage, 4) for s in samples] == [1.0, -1.0]

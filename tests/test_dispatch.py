@@ -1,0 +1,81 @@
+"""The work queue on real vLLM workers in real Ray actors: a slowed worker takes fewer chunks,
+the samples do not depend on which workers served them (the same chunks, seeds and AQN noise
+give the same tokens and logprobs on a fleet of 2 or of 1), and the fleet grows and shrinks
+with `scale`, a new worker loading the current adapter before it serves."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import ray
+
+from benchmarks.random_adapter import random_adapter
+from benchmarks.workers import BenchWorker
+from rollout_server.dispatch import Noise
+from rollout_server.pool import RolloutPool
+from shared.config import RolloutConfig
+from shared.types import SamplingSettings, ServedBase
+
+pytestmark = pytest.mark.slow
+
+N = 4
+SAMPLING = SamplingSettings(samples_per_prompt=N, temperature=1.0, max_new_tokens=6, seed=17)
+NOISE = Noise(sigma=0.01, seed=5)  # AQN on: every worker must draw the same noise
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    questions = [f"{a}+{b}=" for a, b in zip(range(10, 90, 5), range(31, 99, 4))]
+    return tokenizer(questions, add_special_tokens=False)["input_ids"]
+
+
+def _samples(completions) -> list[tuple]:
+    return [(c.prompt_index, tuple(c.token_ids), tuple(c.logprobs), c.adapter_version) for c in completions]
+
+
+def _wait_until(condition, pool: RolloutPool, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out; live {pool.live()}, starting {list(pool.starting)}"
+        pool.admit_started()
+        time.sleep(0.1)
+
+
+def test_queue_balances_a_slow_worker_and_samples_do_not_depend_on_the_fleet(ray_local, tiny_model, prompts):
+    config = RolloutConfig(num_workers=2, num_cpus_per_worker=1, dtype="float32", chunk_sequences=2 * N)
+    pool = RolloutPool(ServedBase(str(tiny_model), None, "fp32"), config, 8, log=print, worker_class=BenchWorker)
+    try:
+        update = random_adapter(tiny_model, 8, seed=3)
+        pool.update_adapter(ray.put(replace(update, version=1)))
+        ray.get(pool.workers[0].set_slowdown.remote(4.0))
+        pool.worker_metrics(1.0)
+        two = pool.generate(prompts, SAMPLING, NOISE, order=0)
+        stats = pool.worker_metrics(1.0)
+        assert len(two) == len(prompts) * N and sorted({c.prompt_index for c in two}) == list(range(len(prompts)))
+        assert stats["fleet/worker0/requests"] + stats["fleet/worker1/requests"] == len(prompts) // 2
+        assert stats["fleet/worker0/requests"] < stats["fleet/worker1/requests"]  # the slow one took fewer
+        assert {c.worker_id for c in two} == {0, 1}
+
+        pool.scale(1)  # the highest slot retires: the slowed worker 0 serves alone
+        assert pool.live() == [0] and 1 not in pool.workers  # idle, so stopped at once
+        one = pool.generate(prompts, SAMPLING, NOISE)
+        assert {c.worker_id for c in one} == {0}
+        assert _samples(one) == _samples(two)  # same tokens and logprobs, whoever served them
+
+        pool.scale(2)  # a new slot starts in the background
+        assert list(pool.starting) == [2] and pool.fleet_metrics()["fleet/target"] == 2
+        _wait_until(lambda: pool.live() == [0, 2], pool)
+        ray.get(pool.workers[0].set_slowdown.remote(1.0))
+        again = pool.generate(prompts, SAMPLING, NOISE)
+        assert {c.worker_id for c in again} == {0, 2}
+        assert _samples(again) == _samples(two)  # the new worker loaded adapter version 1 before serving
+
+        clean = pool.generate(prompts, SAMPLING)  # no noise: other samples
+        assert _samples(clean) != _samples(two)
+    finally:
+        pool.shutdown()
