@@ -97,6 +97,16 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     fidelity.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),
                           help="policy formats to compare (default: every one this machine serves)")
     fidelity.add_argument("--prompts", type=at_least(1), default=32, help="task prompts sampled per format")
+    fleet = kinds.add_parser("fleet", help="rollout tok/s of 1, 2, 4... workers, adapter push included; dispatch")
+    _common(fleet)
+    fleet.add_argument("--workers", type=ints, default=(1, 2, 4), help="fleet sizes, e.g. 1,2,4")
+    fleet.add_argument("--dispatch", type=lambda t: tuple(d for d in t.split(",") if d), default=("queue",),
+                       help="queue and/or slices, each measured at every fleet size")
+    fleet.add_argument("--slow-worker", type=float, default=1.0, metavar="FACTOR",
+                       help="make worker 0 this many times slower per chunk (default 1: none)")
+    fleet.add_argument("--steps", type=at_least(1), default=3, help="timed steps per fleet; the median is reported")
+    fleet.add_argument("--prompt-len", type=at_least(1), default=None)
+    fleet.add_argument("--gen-len", type=at_least(1), default=None)
     kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
     _common(kernels)
     kernels.add_argument("--tokens", type=ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
@@ -126,6 +136,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         if sweep.pop("shape"):
             raise QerlError("qerl bench fidelity needs real weights: set model.path (or leave it unset for tiny)")
         return bench_fidelity(config, FidelityBenchArgs(**sweep))
+    if args.bench == "fleet":
+        from benchmarks.fleet import FleetBenchArgs, bench_fleet
+
+        return bench_fleet(config, FleetBenchArgs(**sweep))
     if args.bench == "lora-kernels":
         from benchmarks.lora_kernels import LoraKernelBenchArgs, bench_lora_kernels
 

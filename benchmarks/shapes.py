@@ -94,6 +94,23 @@ def write_random_model(name: str, folder: str | Path, seed: int = 0) -> Path:
     return folder
 
 
+def write_shape_model(name: str, folder: str | Path) -> Path:
+    """The named shape's config.json and the character tokenizer, no weights: a model.path for
+    `qerl train model.random_weights=true` (the learner draws its weights in memory, the engines
+    use vLLM's dummy load)."""
+    from transformers import AutoConfig
+
+    from shared.tiny_model import build_tokenizer
+
+    folder = Path(folder)
+    config = AutoConfig.from_pretrained(shape_folder(name))
+    tokenizer = build_tokenizer()
+    config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_random_packed_model(name: str, folder: str | Path, scheme: str, group_size: int = 128, seed: int = 0) -> Path:
     """A loadable int4/NVFP4 compressed-tensors folder for the named shape, random weights
     written layer by layer straight in the packed layout (a bf16 copy of a 32B shape would not
@@ -123,8 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--packed", choices=["int4", "nvfp4"], default=None,
                         help="write the weights straight in this compressed-tensors layout (default: bf16)")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--shape-only", action="store_true",
+                        help="config.json and tokenizer only, for qerl train model.random_weights=true")
     args = parser.parse_args(argv)
-    if args.packed:
+    if args.shape_only:
+        print(write_shape_model(args.shape, args.folder))
+    elif args.packed:
         print(write_random_packed_model(args.shape, args.folder, args.packed, args.group_size))
     else:
         print(write_random_model(args.shape, args.folder))

@@ -13,7 +13,10 @@
 # rollout in bf16, int4 and NVFP4 side by side, int4-levers the int4 engine with Marlin forced and
 # with dual-stream LoRA, formats-32b bf16 vs int4 at 32B; fidelity compares every policy pair on
 # the tiny model; memory32b trains a 32B-shaped int4 pair on one GPU; learner-gc
-# the learner's peak memory at micro-batch 1 and 8 with gradient checkpointing off and on. Each opt-in stage fits one
+# the learner's peak memory at micro-batch 1 and 8 with gradient checkpointing off and on;
+# memory32b-bf16 the same 32B run with the bf16 pair (random weights in memory); formats-32b-marlin
+# the 32B int4 engine on Marlin beside bf16; async trains a 0.5B shape at rollout.max_staleness 0, 1
+# and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -125,6 +128,34 @@ for stage in ${*:-tests rollout sync learner train}; do
       run train_32b_int4 qerl train --config configs/qwen2.5-32b_int4_gpu_memory.yaml \
           model.path=/tmp/qwen2.5-32b-int4 train.run_dir=/tmp/qerl-32b train.overwrite=true
       cp /tmp/qerl-32b/metrics.jsonl "$out/train_32b_int4_metrics.jsonl" 2>/dev/null ;;
+    memory32b-bf16)
+      # the same run with the bf16 pair: random bf16 weights drawn in memory on both sides (a bf16 32B
+      # folder would not fit the machine's disk); it fits, or fails naming what did not fit
+      run write_32b_shape python3 -m benchmarks.shapes qwen2.5-32b /tmp/qwen2.5-32b-shape --shape-only
+      run train_32b_bf16 qerl train --config configs/qwen2.5-32b_int4_gpu_memory.yaml policy.format=bf16 \
+          model.random_weights=true model.path=/tmp/qwen2.5-32b-shape train.run_dir=/tmp/qerl-32b-bf16 \
+          train.overwrite=true
+      cp /tmp/qerl-32b-bf16/metrics.jsonl "$out/train_32b_bf16_metrics.jsonl" 2>/dev/null ;;
+    async)
+      # rollout.max_staleness 0, 1, 2 side by side on a 0.5B shape (bf16 pair, random weights in memory)
+      run write_05b_shape python3 -m benchmarks.shapes qwen2.5-0.5b /tmp/qwen2.5-0.5b-shape --shape-only
+      for k in 0 1 2; do
+        run "train_05b_staleness_$k" qerl train --config configs/qwen2.5-0.5b_gpu_smoke.yaml policy.format=bf16 \
+            model.random_weights=true model.path=/tmp/qwen2.5-0.5b-shape rollout.max_staleness=$k train.steps=16 \
+            train.run_dir="/tmp/qerl-async-$k" train.overwrite=true
+        cp "/tmp/qerl-async-$k/metrics.jsonl" "$out/train_05b_staleness_${k}_metrics.jsonl" 2>/dev/null
+      done ;;
+    fleet)
+      # 1 and 2 int4 7B workers sharing the one GPU by fraction: placement, the push to each, the fleet's tok/s
+      run fleet_7b qerl bench fleet "${gpu[@]}" --shape qwen2.5-7b --workers 1,2 --prompt-len 256 --gen-len 256 \
+          --steps 2 policy.format=int4 train.prompts_per_step=32 rollout.chunk_sequences=64 \
+          rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35 \
+          rollout.kv_cache_memory_bytes=8589934592 rollout.enforce_eager=true --json "$out/fleet_7b.json" ;;
+    formats-32b-marlin)
+      # Marlin forced on the 32B int4 engine, beside bf16 + LoRA in the same run
+      run rollout_32b_marlin qerl bench rollout "${gpu[@]}" --shape qwen2.5-32b --formats bf16,int4 \
+          --concurrency 16,64 --prompt-len 256 --gen-len 512 --peer-concurrency "" --repeats 1 \
+          rollout.linear_backend=marlin --json "$out/rollout_32b_marlin.json" ;;
     learner)
       run learner qerl bench learner "${gpu[@]}" --shape qwen2.5-7b --formats nf4,bf16 --micro-batches 1,4,8 \
           --prompt-len 256 --gen-len 512 --json "$out/learner_7b.json" ;;
@@ -140,7 +171,8 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b fidelity fidelity-int4 memory32b learner-gc)"; exit 2 ;;
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin fidelity" \
+            "fidelity-int4 memory32b memory32b-bf16 learner-gc async fleet)"; exit 2 ;;
   esac
 done
 exit $status
