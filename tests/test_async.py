@@ -5,7 +5,6 @@ checkpoint names the first prompts not trained on, so a resumed run draws them a
 
 from __future__ import annotations
 
-import json
 from random import Random
 
 import pytest
@@ -15,23 +14,17 @@ from deploy.train import start_run, train_loop
 from shared.config import load_config
 from shared.metrics import read_metrics
 from shared.tasks import Problem
-from shared.tasks.addition import make_addition_problem
 from shared.types import Completion
 
 pytestmark = pytest.mark.slow
 STEPS = 40
-PROBLEMS = 16
+PROBLEMS = 16  # the fixed_sums fixture's problems
 N = 8
 
 
 @pytest.fixture(scope="module")
-def async_run(tiny_model, ray_local, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("async")
-    rng = Random(7)
-    problems = [make_addition_problem(rng, 2) for _ in range(PROBLEMS)]
-    dataset = folder / "sums.jsonl"
-    dataset.write_text("".join(json.dumps({"question": p.prompt, "answer": f"#### {p.answer}"}) + "\n"
-                               for p in problems))
+def async_run(tiny_model, ray_local, fixed_sums, tmp_path_factory):
+    folder, dataset = tmp_path_factory.mktemp("async"), fixed_sums
     config = load_config(None, [
         "task.name=jsonl", f"task.path={dataset}", "task.prompt_template='{question}'",
         f"train.steps={STEPS}", f"train.prompts_per_step={PROBLEMS}", f"train.run_dir={folder / 'run'}",

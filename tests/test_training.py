@@ -7,7 +7,6 @@ within a few dozen steps (measured: about 0.6 -> 0.8 in 40 steps).
 
 from __future__ import annotations
 
-import json
 from random import Random
 
 import pytest
@@ -17,21 +16,15 @@ import torch
 from deploy.train import start_run, train_loop
 from shared.config import load_config
 from shared.metrics import read_metrics
-from shared.tasks.addition import make_addition_problem
 
 pytestmark = pytest.mark.slow
 STEPS = 40
-PROBLEMS = 16
+PROBLEMS = 16  # the fixed_sums fixture's problems
 
 
 @pytest.fixture(scope="module")
-def finished_run(tiny_model, ray_local, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("train")
-    rng = Random(7)
-    problems = [make_addition_problem(rng, 2) for _ in range(PROBLEMS)]
-    dataset = folder / "sums.jsonl"
-    lines = [json.dumps({"question": p.prompt, "answer": f"#### {p.answer}"}) + "\n" for p in problems]
-    dataset.write_text("".join(lines))
+def finished_run(tiny_model, ray_local, fixed_sums, tmp_path_factory):
+    folder, dataset = tmp_path_factory.mktemp("train"), fixed_sums
     config = load_config(
         None,
         [
