@@ -118,8 +118,8 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started_ray = connect_ray(config, log)
     try:
-        spec = LearnerSpec(model_path, config.lora, config.learner, str(run_dir), config.policy, config.engine_dtype(),
-                           config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
+        spec = LearnerSpec(model_path, config.lora, config.learner_settings(), str(run_dir), config.policy,
+                           config.engine_dtype(), config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
                            config.model.random_weights)
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
         if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)

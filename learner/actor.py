@@ -74,9 +74,7 @@ class Learner:
         self.pad_id = model.config.pad_token_id or 0
         self.lora_params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / (config.warmup_steps + 1))
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
         self.version = 0
         if config.gradient_checkpointing:
             # non-reentrant: works with frozen (even packed 4-bit) bases and needs no input grads
@@ -290,6 +288,17 @@ class Learner:
         for name, buffer in self.model.named_buffers():
             base[name] = buffer.detach().cpu().clone()
         return {"lora": lora, "base": base}
+
+
+def lr_factor(step: int, config: LearnerConfig) -> float:
+    """The learning rate's multiplier at optimizer step `step`: linear warm-up, then constant or
+    a cosine decay to lr_min_ratio at decay_steps (held there after)."""
+    if step < config.warmup_steps:
+        return (step + 1) / (config.warmup_steps + 1)
+    if config.lr_schedule == "constant" or not config.decay_steps or config.decay_steps <= config.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / (config.decay_steps - config.warmup_steps))
+    return config.lr_min_ratio + (1 - config.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_learner(spec: LearnerSpec, log=print) -> Learner:

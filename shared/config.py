@@ -83,7 +83,7 @@ class RolloutConfig(_Strict):
     each idle worker pulls in turn, so a slower or busier worker takes fewer (a run's samples
     then do not depend on the fleet); "slices": one equal contiguous slice per worker (the
     largest engine batches, but the slowest worker sets the step's pace)."""
-    chunk_sequences: int = Field(32, ge=1)
+    chunk_sequences: int = Field(64, ge=1)
     """Sequences (prompts x samples_per_prompt) per generate call under dispatch "queue": smaller
     chunks balance the fleet better, larger ones batch better (on a GPU, the concurrency at
     which the engine's tok/s levels off: BENCHMARKS.md)."""
@@ -171,6 +171,11 @@ class LearnerConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
     warmup_steps: int = Field(10, ge=0)
     """Linear learning-rate warm-up: Adam's first steps move every LoRA weight by about lr."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: "constant", or "cosine" decay to lr x lr_min_ratio by decay_steps."""
+    lr_min_ratio: float = Field(0.1, ge=0, le=1)
+    decay_steps: int | None = Field(None, ge=1)
+    """Optimizer steps by which the cosine schedule reaches its floor; None: train.steps."""
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     algorithm: Literal["grpo", "dapo"] = "grpo"
@@ -323,6 +328,10 @@ class QerlConfig(_Strict):
 
     def engine_dtype(self) -> str:
         return self.rollout.engine_dtype(self.policy.format)
+
+    def learner_settings(self) -> LearnerConfig:
+        """The learner's settings with "until the end of the run" resolved."""
+        return self.learner.model_copy(update={"decay_steps": self.learner.decay_steps or self.train.steps})
 
     def seqs_per_engine(self) -> int:
         """Sequences one engine holds in flight in a generate call of a training step."""

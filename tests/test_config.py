@@ -67,7 +67,8 @@ def test_lora_kernel_configs_folder_is_made_absolute(tmp_path, monkeypatch):
     (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1",
       "rollout.chunk_sequences=128"], "vllm"),
     # the same in chunks of 32 sequences: Marlin
-    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1"], "marlin"),
+    (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.num_workers=1",
+      "rollout.chunk_sequences=32"], "marlin"),
     # equal slices: 8 prompts x 8 on each of 2 engines
     (["rollout.num_gpus_per_worker=1", "train.prompts_per_step=16", "rollout.dispatch=slices"], "vllm"),
     # CPU workers have one int4 kernel: nothing to choose
@@ -89,3 +90,8 @@ def test_a_dense_engine_leaves_the_kernel_to_vllm():
 def test_an_unknown_linear_backend_is_one_line():
     with pytest.raises(QerlError, match="rollout.linear_backend"):
         load_config(None, ["rollout.linear_backend=cutlass"])
+
+
+def test_the_cosine_schedule_decays_over_the_run_unless_told_otherwise():
+    assert load_config(None, ["train.steps=77"]).learner_settings().decay_steps == 77
+    assert load_config(None, ["train.steps=77", "learner.decay_steps=30"]).learner_settings().decay_steps == 30

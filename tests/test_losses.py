@@ -129,3 +129,15 @@ def test_algorithm_defaults():
                              dynamic_sampling=False, overlong_buffer=0)
     assert (explicit.upper_clip(), explicit.aggregation(), explicit.uses_dynamic_sampling(),
             explicit.overlong_tokens(8)) == (0.3, "seq_mean_token_mean", False, 0)
+
+
+def test_the_learning_rate_warms_up_then_follows_its_schedule():
+    from learner.actor import lr_factor
+    from shared.config import LearnerConfig
+
+    constant = LearnerConfig(warmup_steps=4)
+    assert [lr_factor(s, constant) for s in (0, 3, 4, 100)] == [0.2, 0.8, 1.0, 1.0]
+    cosine = LearnerConfig(warmup_steps=4, lr_schedule="cosine", lr_min_ratio=0.1, decay_steps=14)
+    assert lr_factor(4, cosine) == 1.0
+    assert lr_factor(9, cosine) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_factor(14, cosine) == pytest.approx(0.1) and lr_factor(40, cosine) == pytest.approx(0.1)
