@@ -1,7 +1,8 @@
 """Asynchronous rollouts (rollout.max_staleness = 1) on the real stack: the next step's batch
 generates while the learner trains, no sample trained on lags the learner by more than one
 adapter version, the lag is measured and its KL reported, the run still learns, and a
-checkpoint names the first prompts not trained on, so a resumed run draws them again."""
+checkpoint names the first prompts not trained on, so a resumed run draws them again (and
+resumes with its batches ahead)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from random import Random
 import pytest
 
 from deploy.rollouts import Group, RolloutsAhead, collect
-from deploy.train import start_run, train_loop
+from deploy.train import resume, start_run, train_loop
 from shared.config import load_config
 from shared.metrics import read_metrics
 from shared.tasks import Problem
@@ -18,6 +19,7 @@ from shared.types import Completion
 
 pytestmark = pytest.mark.slow
 STEPS = 40
+RESUMED = 3  # steps a resumed run adds
 PROBLEMS = 16  # the fixed_sums fixture's problems
 N = 8
 
@@ -38,6 +40,7 @@ def async_run(tiny_model, ray_local, fixed_sums, tmp_path_factory):
         summary = train_loop(run, 0, Random(config.train.seed), log=print)
     finally:
         run.close()
+    resume(summary["run_dir"], [f"train.steps={STEPS + RESUMED}"], log=lambda *_: None)
     return summary, resumed_prompts
 
 
@@ -63,7 +66,7 @@ def _prompts_drawn_again_after_a_checkpoint(run) -> tuple[list[str], list[str]]:
 def test_no_sample_lags_more_than_max_staleness_and_the_lag_is_measured(async_run):
     summary, _ = async_run
     records = read_metrics(f"{summary['run_dir']}/metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records] == list(range(STEPS + RESUMED))  # resumed with its batches ahead
     for record in records:
         assert record["staleness/0"] + record["staleness/1"] == PROBLEMS * N  # nothing beyond 1
         assert record["rollout/stale_dropped"] == 0 and record["rollout/groups_trained"] == PROBLEMS
@@ -76,7 +79,7 @@ def test_no_sample_lags_more_than_max_staleness_and_the_lag_is_measured(async_ru
 
 def test_an_asynchronous_run_learns(async_run):
     summary, _ = async_run
-    rewards = [r["rollout/reward_mean"] for r in read_metrics(f"{summary['run_dir']}/metrics.jsonl")]
+    rewards = [r["rollout/reward_mean"] for r in read_metrics(f"{summary['run_dir']}/metrics.jsonl")][:STEPS]
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.1, f"reward did not rise: first steps {first:.3f}, last steps {last:.3f}"
 

@@ -1,7 +1,8 @@
 """The work queue on real vLLM workers in real Ray actors: a slowed worker takes fewer chunks,
 the samples do not depend on which workers served them (the same chunks, seeds and AQN noise
 give the same tokens and logprobs on a fleet of 2 or of 1), and the fleet grows and shrinks
-with `scale`, a new worker loading the current adapter before it serves."""
+with `scale`, a new worker loading the current adapter before it serves and a removed one
+finishing the chunk it holds."""
 
 from __future__ import annotations
 
@@ -77,5 +78,16 @@ def test_queue_balances_a_slow_worker_and_samples_do_not_depend_on_the_fleet(ray
 
         clean = pool.generate(prompts, SAMPLING)  # no noise: other samples
         assert _samples(clean) != _samples(two)
+
+        # shrinking while chunks are in flight (asynchronous rollouts): the retiring worker
+        # finishes what it holds, takes nothing new, and stops once idle
+        batch = pool.submit(prompts, SAMPLING, NOISE)
+        holding = {run.slot for run in pool.running.values()}
+        assert holding == {0, 2}
+        pool.scale(1)
+        assert pool.retiring == {2} and 2 in pool.workers  # still generating its chunk
+        assert _samples(pool.collect(batch)) == _samples(two)
+        pool.generate(prompts[:2], SAMPLING)
+        assert pool.live() == [0] and 2 not in pool.workers and not pool.retiring
     finally:
         pool.shutdown()
