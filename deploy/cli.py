@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             report(args.run_dirs, args.out)
             return 0
         if args.command == "scale":  # joins the run's Ray cluster; the run's driver applies it
+            # Ray 2.60 clusters (local ones too) use token authentication, and Ray reads the mode
+            # once, when it is imported
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
             from deploy.fleet_control import scale
 
             scale(args.run_dir, args.workers, args.wait)

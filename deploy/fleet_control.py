@@ -119,7 +119,6 @@ def scale(run_dir: str, workers: int, wait_s: float | None = None, log=print) ->
         raise QerlError(f"--workers must be at least 1, not {workers}")
     folder = Path(run_dir).resolve()
     info = _running_training(folder)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray 2.60 heads and local instances use a token
     try:
         ray.init(address=info["ray_address"], namespace=info["namespace"], log_to_driver=False,
                  logging_level="ERROR")

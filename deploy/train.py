@@ -335,6 +335,7 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                 if config.train.eval_every and ((step + 1) % config.train.eval_every == 0 or last):
                     record |= evaluate(run.pool, run.tokenizer, run.task, run.eval_problems, config,
                                        seed=config.train.seed + EVAL_SEED_OFFSET + step)
+                    run.pool.discard_worker_stats()  # the fleet/worker* metrics count training rollouts
                 metrics.write(record)
                 if tensorboard:
                     tensorboard.write(record)

@@ -161,8 +161,12 @@ class RolloutPool:
         for slot, stats in sorted(self.stats.items()):
             if stats.chunks or slot in self.workers:
                 record |= stats.metrics(f"fleet/worker{slot}", window_s)
-        self.stats = {slot: WorkerStats() for slot in self.workers}
+        self.discard_worker_stats()
         return record
+
+    def discard_worker_stats(self) -> None:
+        """Start the per-worker counts again (work that is not a training step's, e.g. evaluation)."""
+        self.stats = {slot: WorkerStats() for slot in self.workers}
 
     # -- dead workers and failed starts: requeue, replace in the background, admit once it serves
 
@@ -300,7 +304,7 @@ class RolloutPool:
             return
         except ray.exceptions.RayTaskError as error:
             raise QerlError(f"rollout worker {run.slot} failed: {root_cause(error)}") from None
-        self.stats[run.slot].add(run.chunk, completions, time.perf_counter() - run.started)
+        self.stats.setdefault(run.slot, WorkerStats()).add(run.chunk, completions, time.perf_counter() - run.started)
         run.chunk.finish(completions)
 
     def collect(self, batch: Batch) -> list[Completion]:

@@ -196,8 +196,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tiny_model, tmp_path):
 import sys, math
 import deploy.train as train
 original = train.training_samples
-def poisoned(groups, n):
-    samples = original(groups, n)
+def poisoned(groups, n, *rest):
+    samples = original(groups, n, *rest)
     if train._poison_step[0] >= 2:
         samples = [s.__class__(s.prompt_ids, s.completion_ids, s.rollout_logprobs, math.nan) for s in samples]
     train._poison_step[0] += 1
