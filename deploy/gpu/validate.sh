@@ -16,7 +16,8 @@
 # the learner's peak memory at micro-batch 1 and 8 with gradient checkpointing off and on;
 # memory32b-bf16 the same 32B run with the bf16 pair (random weights in memory); formats-32b-marlin
 # the 32B int4 engine on Marlin beside bf16; async trains a 0.5B shape at rollout.max_staleness 0, 1
-# and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU. Each opt-in stage fits one
+# and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU; dual-stream-bf16 the 7B bf16 engine
+# with and without dual-stream LoRA. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -151,6 +152,10 @@ for stage in ${*:-tests rollout sync learner train}; do
           --steps 2 policy.format=int4 train.prompts_per_step=32 rollout.chunk_sequences=64 \
           rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35 \
           rollout.kv_cache_memory_bytes=8589934592 rollout.enforce_eager=true --json "$out/fleet_7b.json" ;;
+    dual-stream-bf16)
+      # dual-stream LoRA on the bf16 engine beside the plain bf16 engine, same call (the last target column)
+      lever bf16_single_stream --peer-concurrency "" --repeats 2
+      lever bf16_dual_stream --peer-concurrency "" --repeats 2 rollout.lora_dual_stream=true ;;
     formats-32b-marlin)
       # Marlin forced on the 32B int4 engine, beside bf16 + LoRA in the same run
       run rollout_32b_marlin qerl bench rollout "${gpu[@]}" --shape qwen2.5-32b --formats bf16,int4 \
@@ -171,7 +176,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin fidelity" \
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin dual-stream-bf16 fidelity" \
             "fidelity-int4 memory32b memory32b-bf16 learner-gc async fleet)"; exit 2 ;;
   esac
 done
