@@ -173,9 +173,9 @@ LINEAR_BACKENDS = ("auto", "vllm", "marlin", "machete")
 """`rollout.linear_backend`: "auto" lets qerl pick by the engine's concurrency (below), "vllm"
 leaves the choice to vLLM (Machete for int4 on an H200), or a kernel forced."""
 MARLIN_MAX_SEQS = 32
-"""On an H200 (BENCHMARKS.md, H200 2026-12-03 third run), int4 + LoRA at 7B: Marlin 1.31x bf16
-at 16 sequences, Machete 1.22x; at 64 and above Machete wins (Marlin 1.00x / 0.74x). An int4
-engine whose step puts at most this many sequences in flight gets Marlin."""
+"""An int4 engine whose step puts at most this many sequences in flight gets Marlin, above it
+vLLM's choice (Machete on Hopper): Marlin is the faster int4 + LoRA kernel at 16 sequences and
+Machete from 64 on, at 7B and at 32B (BENCHMARKS.md, H200 2026-12-03, third and fifth runs)."""
 
 
 def linear_backend_for(configured: str, policy_format: str, device: str, seqs_per_engine: int) -> str:
