@@ -123,7 +123,9 @@ def _plot(runs: list[RunCurves], out: Path) -> Path:
         legend_ax.axis("off")
         handles = [plt.Line2D([], [], color=colors[run.label], linewidth=2) for run in runs]
         legend_ax.legend(handles, [run.label for run in runs], loc="center", title="runs", frameon=False)
-        fig.suptitle("qerl report: " + ", ".join(run.label for run in runs))
+        # the legend names every run; past a few, a joined title runs off the figure
+        names = ", ".join(run.label for run in runs) if len(runs) <= 4 else f"{len(runs)} runs"
+        fig.suptitle("qerl report: " + names)
         fig.tight_layout()
         # a crash mid-save leaves the temp file, never a half PNG at `out` (os.replace is atomic
         # within one folder); opened normally so the PNG gets the usual umask permissions
