@@ -1,7 +1,8 @@
 """`qerl scale` on a real `qerl train` process: the fleet grows 1 -> 3 and shrinks to 2 while
 it trains; every step completes once, every completion comes from the current adapter, and the
 metrics show the fleet per step. A request the cluster cannot place is refused in one line and
-leaves the run as it was; once the run has ended, `qerl scale` says there is no training."""
+leaves the run as it was; once the run has ended, `qerl scale` says there is no training. While
+three workers serve, the run's listening sockets show that qerl opens no port beyond loopback."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from shared.metrics import read_metrics
@@ -59,6 +61,7 @@ def test_scale_a_running_training_1_to_3_to_2(tiny_model, tmp_path):
         assert "rollout workers 1 -> 3 from the next step" in grow.stdout
         wait_until(lambda: said("rollout worker 1 added") and said("rollout worker 2 added"))
         wait_until(lambda: _steps_with(run_dir, 3) >= 2)
+        _assert_only_ray_listens_beyond_loopback(process.pid)
 
         too_many = _qerl("scale", str(run_dir), "--workers", "40", "--wait", "1")
         assert too_many.returncode == 2 and too_many.stderr.count("\n") == 1, too_many.stderr
@@ -101,3 +104,32 @@ def _steps_with(run_dir: Path, workers: int, after_three: bool = False) -> int:
     if after_three:
         fleet = fleet[fleet.index(3):] if 3 in fleet else []
     return sum(size == workers for size in fleet)
+
+
+# Ray 2.60's own servers listen on every interface whatever the node address (README, Security);
+# these processes run no qerl code.
+RAY_SERVERS = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray/dashboard/",
+               "ray/autoscaler/")
+
+
+def _assert_only_ray_listens_beyond_loopback(pid: int) -> None:
+    """Every process of a local run: Ray's servers may listen anywhere; a process that runs qerl
+    code (the driver, each actor) has exactly one listener beyond loopback, its Ray core worker's;
+    the dashboard's HTTP port (8265) is closed. An extra port opened by qerl, vLLM or torch on a
+    non-loopback address fails here."""
+    root = psutil.Process(pid)
+    outside: dict[str, list[str]] = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = " ".join(process.cmdline()) or process.name()
+            sockets = [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        assert all(address.port != 8265 for address in sockets), f"{name[:80]} serves the dashboard"
+        beyond = [f"{a.ip}:{a.port}" for a in sockets if not (a.ip.startswith("127.") or a.ip == "::1")]
+        if beyond and not any(server in name for server in RAY_SERVERS):
+            outside[f"{process.pid} {name[:80]}"] = beyond
+    assert outside, "no qerl process listened at all: the check saw nothing"
+    extra = {process: ports for process, ports in outside.items() if len(ports) > 1}
+    assert not extra, f"qerl processes listening beyond loopback on more than Ray's core-worker port: {extra}"
+    assert len(outside) >= 5, outside  # the driver, the learner, the fleet control and 3 rollout workers
