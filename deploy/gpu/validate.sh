@@ -17,7 +17,8 @@
 # memory32b-bf16 the same 32B run with the bf16 pair (random weights in memory); formats-32b-marlin
 # the 32B int4 engine on Marlin beside bf16; async trains a 0.5B shape at rollout.max_staleness 0, 1
 # and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU; dual-stream-bf16 the 7B bf16 engine
-# with and without dual-stream LoRA. Each opt-in stage fits one
+# with and without dual-stream LoRA; fleet-gpus (2 or more GPUs) the fleet at one GPU per worker and
+# a training with the learner and the workers on GPUs of their own. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -153,9 +154,25 @@ for stage in ${*:-tests rollout sync learner train}; do
           rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35 \
           rollout.kv_cache_memory_bytes=8589934592 rollout.enforce_eager=true --json "$out/fleet_7b.json" ;;
     dual-stream-bf16)
-      # dual-stream LoRA on the bf16 engine beside the plain bf16 engine, same call (the last target column)
+      # dual-stream LoRA on the bf16 engine beside the plain bf16 engine, same call
       lever bf16_single_stream --peer-concurrency "" --repeats 2
       lever bf16_dual_stream --peer-concurrency "" --repeats 2 rollout.lora_dual_stream=true ;;
+    fleet-gpus)
+      # the multi-GPU scaling run: the int4 7B fleet at 1, 2, 4 workers with one
+      # GPU each (as many as there are), then a short training with the learner on one GPU and a
+      # rollout worker on each of the others (random packed weights: plumbing, not learning)
+      gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+      if [ "$gpus" -lt 2 ]; then echo "=== fleet-gpus needs 2 or more GPUs, this machine has $gpus"; status=1; continue; fi
+      sizes=1,2; [ "$gpus" -ge 4 ] && sizes=1,2,4
+      run fleet_7b_gpus qerl bench fleet "${gpu[@]}" --shape qwen2.5-7b --workers "$sizes" --prompt-len 256 \
+          --gen-len 256 --steps 2 policy.format=int4 train.prompts_per_step=64 rollout.chunk_sequences=64 \
+          rollout.num_gpus_per_worker=1 --json "$out/fleet_7b_gpus.json"
+      run write_7b_int4 python3 -m benchmarks.shapes qwen2.5-7b /tmp/qwen2.5-7b-int4 --packed int4
+      run train_7b_gpus qerl train --config configs/qwen2.5-32b_int4_gpu_memory.yaml model.path=/tmp/qwen2.5-7b-int4 \
+          learner.num_gpus=1 rollout.num_workers=$((gpus - 1)) rollout.num_gpus_per_worker=1 \
+          rollout.gpu_memory_utilization=0.85 rollout.enforce_eager=false train.steps=5 \
+          train.run_dir=/tmp/qerl-7b-gpus train.overwrite=true
+      cp /tmp/qerl-7b-gpus/metrics.jsonl "$out/train_7b_gpus_metrics.jsonl" 2>/dev/null ;;
     formats-32b-marlin)
       # Marlin forced on the 32B int4 engine, beside bf16 + LoRA in the same run
       run rollout_32b_marlin qerl bench rollout "${gpu[@]}" --shape qwen2.5-32b --formats bf16,int4 \
@@ -176,7 +193,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           train.run_dir=/tmp/qerl-gpu-train train.overwrite=true
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
-            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin dual-stream-bf16 fidelity" \
+            "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin dual-stream-bf16 fleet-gpus fidelity" \
             "fidelity-int4 memory32b memory32b-bf16 learner-gc async fleet)"; exit 2 ;;
   esac
 done
