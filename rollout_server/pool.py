@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import ray
 
 from rollout_server.dispatch import NO_NOISE, Batch, Chunk, Noise, WorkerStats, cut
-from rollout_server.worker import RolloutWorker, worker_actor_options
+from rollout_server.worker import ENGINE_EXIT_GRACE_S, RolloutWorker, worker_actor_options
 from shared.config import RolloutConfig
 from shared.errors import QerlError
 from shared.progress import progress
@@ -35,6 +35,8 @@ DEAD_WORKER = (ray.exceptions.RayActorError,)
 MAX_RESTARTS = 3
 """Starts the pool retries for one worker slot (after a death or a failed start) before it
 leaves the slot empty."""
+SHUTDOWN_WAIT_S = ENGINE_EXIT_GRACE_S + 15
+"""How long the pool waits for a worker's shutdown call: its engine's exit grace and a margin."""
 
 
 @dataclass
@@ -393,7 +395,7 @@ class RolloutPool:
 def _stop_actor(actor, stopping: ray.ObjectRef | None = None) -> None:
     """Shut the worker's engine down (so nothing is left in /dev/shm), then end its process."""
     try:
-        ray.get(stopping if stopping is not None else actor.shutdown.remote(), timeout=60)
+        ray.get(stopping if stopping is not None else actor.shutdown.remote(), timeout=SHUTDOWN_WAIT_S)
     except (DEAD_WORKER, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
         pass
     ray.kill(actor)

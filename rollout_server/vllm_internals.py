@@ -68,18 +68,11 @@ def serving_problem(policy_format: str, rollout: RolloutConfig) -> str | None:
     return pair.serves_on(rollout.device(), rollout.engine_dtype(policy_format), installed_vllm_version())
 
 
-ENGINE_EXIT_GRACE_S = 45.0
-"""How long a multiprocess engine core may take to exit after SIGTERM before vLLM kills it.
-vLLM's default is 5 s, and the core's teardown (it waits for its executor's worker process)
-takes about 5 s on an idle 2-core machine: past the grace the core is SIGKILLed and leaves its
-/dev/shm segments behind. Stays under the 60 s the pool gives a worker's shutdown call."""
-
-
-def shutdown_engine(llm) -> None:
+def shutdown_engine(llm, grace_s: float) -> None:
     """Stop the engine core before the process ends: a multiprocess engine left running
     leaks its /dev/shm segments. Both lines keep the core client at `llm_engine.engine_core`
     and take the process grace as `timeout` (the in-process client ignores it)."""
-    llm.llm_engine.engine_core.shutdown(timeout=ENGINE_EXIT_GRACE_S)
+    llm.llm_engine.engine_core.shutdown(timeout=grace_s)
 
 
 def unstacked_weights_mapper(model):

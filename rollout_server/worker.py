@@ -26,6 +26,11 @@ from shared.process_output import actor_log_env, redirect_output_to_log_file
 from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
 EXTENSION = "rollout_server.vllm_internals.QerlWorkerExtension"
+ENGINE_EXIT_GRACE_S = 45.0
+"""How long a multiprocess engine core may take to exit after SIGTERM before vLLM kills it.
+vLLM's default is 5 s, and the core's teardown (it waits for its executor's worker process)
+takes about 5 s on an idle 2-core machine: past the grace the core is SIGKILLed and leaves its
+/dev/shm segments behind."""
 
 
 def worker_env(config: RolloutConfig, worker_id: int) -> dict[str, str]:
@@ -197,7 +202,7 @@ class RolloutWorker:
     def shutdown(self) -> None:
         from rollout_server.vllm_internals import shutdown_engine
 
-        shutdown_engine(self.llm)
+        shutdown_engine(self.llm, ENGINE_EXIT_GRACE_S)
         if self.rpc_folder:
             shutil.rmtree(self.rpc_folder, ignore_errors=True)
 
