@@ -306,7 +306,7 @@ class RolloutPool:
             return
         except ray.exceptions.RayTaskError as error:
             raise QerlError(f"rollout worker {run.slot} failed: {root_cause(error)}") from None
-        self.stats.setdefault(run.slot, WorkerStats()).add(run.chunk, completions, time.perf_counter() - run.started)
+        self.stats[run.slot].add(run.chunk, completions, time.perf_counter() - run.started)
         run.chunk.finish(completions)
 
     def collect(self, batch: Batch) -> list[Completion]:
