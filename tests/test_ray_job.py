@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
+from process_sockets import listening_sockets
 
 from deploy.ray_cluster import connection_hint
 
@@ -136,10 +136,7 @@ def test_a_training_run_submitted_as_a_ray_job(ray_head, tiny_model, tmp_path):
 
 
 def test_the_heads_job_server_listens_on_loopback_only(ray_head):
-    head = psutil.Process(ray_head["pid"])
-    processes = [head, *head.children(recursive=True)]
-    listening = {(c.laddr.ip, c.laddr.port) for p in processes for c in p.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN}
+    listening = {(a.ip, a.port) for sockets in listening_sockets(ray_head["pid"]).values() for a in sockets}
     dashboard = {ip for ip, port in listening if port == ray_head["dashboard_port"]}
     assert dashboard == {"127.0.0.1"}, f"the job server listens on {dashboard}"
 

@@ -16,8 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+from process_sockets import listening_sockets
 
 from shared.metrics import read_metrics
 
@@ -117,18 +117,12 @@ def _assert_only_ray_listens_beyond_loopback(pid: int) -> None:
     code (the driver, each actor) has exactly one listener beyond loopback, its Ray core worker's;
     the dashboard's HTTP port (8265) is closed. An extra port opened by qerl, vLLM or torch on a
     non-loopback address fails here."""
-    root = psutil.Process(pid)
     outside: dict[str, list[str]] = {}
-    for process in [root, *root.children(recursive=True)]:
-        try:
-            name = " ".join(process.cmdline()) or process.name()
-            sockets = [c.laddr for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        assert all(address.port != 8265 for address in sockets), f"{name[:80]} serves the dashboard"
+    for process, sockets in listening_sockets(pid).items():
+        assert all(address.port != 8265 for address in sockets), f"{process[:80]} serves the dashboard"
         beyond = [f"{a.ip}:{a.port}" for a in sockets if not (a.ip.startswith("127.") or a.ip == "::1")]
-        if beyond and not any(server in name for server in RAY_SERVERS):
-            outside[f"{process.pid} {name[:80]}"] = beyond
+        if beyond and not any(server in process for server in RAY_SERVERS):
+            outside[process[:90]] = beyond
     assert outside, "no qerl process listened at all: the check saw nothing"
     extra = {process: ports for process, ports in outside.items() if len(ports) > 1}
     assert not extra, f"qerl processes listening beyond loopback on more than Ray's core-worker port: {extra}"
