@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -68,11 +69,50 @@ def serving_problem(policy_format: str, rollout: RolloutConfig) -> str | None:
     return pair.serves_on(rollout.device(), rollout.engine_dtype(policy_format), installed_vllm_version())
 
 
-def shutdown_engine(llm, grace_s: float) -> None:
-    """Stop the engine core before the process ends: a multiprocess engine left running
-    leaks its /dev/shm segments. Both lines keep the core client at `llm_engine.engine_core`
-    and take the process grace as `timeout` (the in-process client ignores it)."""
+ENGINE_SHM_PREFIXES = ("psm_", "sem.mp-")
+"""Python multiprocessing's names in /dev/shm: shared memory (vLLM's message queues between the
+engine core and its executor's workers) and named semaphores (the locks they share)."""
+
+
+def engine_shm_files() -> dict[str, int]:
+    """The multiprocessing segments in /dev/shm (path -> inode) that this process's descendants
+    (a multiprocess engine's core and workers; none in process) have mapped. Read once the engine
+    has started: its message queues live as long as it does, and a killed process can no longer
+    be read. Matched by inode, since a semaphore is mapped under the temporary name glibc's
+    sem_open created it with, not the name it is found by."""
+    import psutil  # a vLLM dependency
+
+    mapped: set[int] = set()
+    for process in psutil.Process().children(recursive=True):
+        try:
+            with open(f"/proc/{process.pid}/maps") as maps:  # address perms offset dev inode path
+                fields = [line.split(maxsplit=5) for line in maps]
+        except OSError:  # it has ended
+            continue
+        mapped.update(int(f[4]) for f in fields if len(f) == 6 and f[5].startswith("/dev/shm/"))
+    if not mapped:
+        return {}
+    return {entry.path: entry.inode() for entry in os.scandir("/dev/shm")
+            if entry.name.startswith(ENGINE_SHM_PREFIXES) and entry.inode() in mapped}
+
+
+def shutdown_engine(llm, grace_s: float, shm_files: dict[str, int]) -> list[str]:
+    """Stop the engine core before the process ends, then remove what of `shm_files` (from
+    `engine_shm_files`) is still in /dev/shm; returns those. vLLM unlinks its segments only when a
+    process ends cleanly: a core SIGKILLed past `grace_s`, or one that crashed, leaves them, and a
+    long run that replaces workers would pile them up. Both lines keep the core client at
+    `llm_engine.engine_core` and take the process grace as `timeout` (the in-process client
+    ignores it)."""
     llm.llm_engine.engine_core.shutdown(timeout=grace_s)
+    removed = []
+    for path, inode in shm_files.items():
+        try:
+            if os.stat(path).st_ino == inode:  # not a later segment that took the name
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:  # the process that made it removed it
+            pass
+    return removed
 
 
 def unstacked_weights_mapper(model):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -69,7 +70,7 @@ class RolloutWorker:
     """Create it as a Ray actor with `worker_actor_options`: vLLM reads that environment."""
 
     def __init__(self, worker_id: int, served: ServedBase, config: RolloutConfig, max_lora_rank: int):
-        from rollout_server.vllm_internals import vllm_line
+        from rollout_server.vllm_internals import engine_shm_files, vllm_line
 
         redirect_output_to_log_file()
         if not os.path.isdir(served.path):  # another node than the learner's, without shared storage
@@ -112,6 +113,7 @@ class RolloutWorker:
         )
         self.llm.collective_rpc("qerl_init")
         self.start_s = time.perf_counter() - started
+        self.engine_shm_files = engine_shm_files()
 
     def ready(self) -> dict:
         import torch
@@ -202,7 +204,10 @@ class RolloutWorker:
     def shutdown(self) -> None:
         from rollout_server.vllm_internals import shutdown_engine
 
-        shutdown_engine(self.llm, ENGINE_EXIT_GRACE_S)
+        removed = shutdown_engine(self.llm, ENGINE_EXIT_GRACE_S, self.engine_shm_files)
+        if removed:  # the engine did not end cleanly
+            print(f"[qerl] rollout worker {self.worker_id}: removed {len(removed)} shared-memory "
+                  f"segments its engine left in /dev/shm", file=sys.stderr)
         if self.rpc_folder:
             shutil.rmtree(self.rpc_folder, ignore_errors=True)
 

@@ -170,3 +170,24 @@ def test_multiprocess_engine_takes_adapters_from_memory_and_noise(ray_local, tin
         ray.kill(actor)
     # the engine core's shared-memory segments and the socket folder go with the worker
     assert set(os.listdir("/dev/shm")) - shm_before == set() and not os.path.exists(rpc_folder)
+
+
+def test_an_engine_core_that_died_leaves_nothing_in_dev_shm(ray_local, tiny_model):
+    """vLLM removes its shared-memory segments only when its processes end cleanly; a core that
+    was killed (or crashed) leaves them, and the worker's shutdown removes them instead."""
+    import psutil
+
+    shm_before = set(os.listdir("/dev/shm"))
+    config = RolloutConfig(in_process=False, num_cpus_per_worker=1)
+    served = ServedBase(str(tiny_model), None, "nf4-exact")
+    actor = ray.remote(RolloutWorker).options(**worker_actor_options(config, 1)).remote(1, served, config, 8)
+    try:
+        worker = psutil.Process(ray.get(actor.ready.remote())["pid"])
+        core, = [p for p in worker.children() if "EngineCore" in " ".join(p.cmdline())]
+        assert set(os.listdir("/dev/shm")) - shm_before  # the engine's message queues
+        core.kill()
+        core.wait(timeout=30)
+    finally:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
