@@ -107,6 +107,19 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     fleet.add_argument("--steps", type=at_least(1), default=3, help="timed steps per fleet; the median is reported")
     fleet.add_argument("--prompt-len", type=at_least(1), default=None)
     fleet.add_argument("--gen-len", type=at_least(1), default=None)
+    step = kinds.add_parser("step", help="the whole RL step (rollout, learner, sync) per policy format, as qerl "
+                                         "train places it")
+    _common(step)
+    step.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),
+                      help="policy formats one after another, e.g. bf16,int4 (default: the config's); ratios to the "
+                           "first")
+    step.add_argument("--steps", type=at_least(1), default=3, help="timed steps per format, after one warm-up step")
+    step.add_argument("--prompt-len", type=at_least(1), default=10)
+    step.add_argument("--gen-len", type=at_least(1), default=256, help="completion length limit")
+    step.add_argument("--lengths", choices=("fixed", "lognormal"), default="fixed",
+                      help="every completion to --gen-len, or long-tailed lengths with a mean of a third of it")
+    step.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="stand in for a card of this size: the engines' and the learner's shares capped to it")
     kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
     _common(kernels)
     kernels.add_argument("--tokens", type=ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
@@ -144,6 +157,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         from benchmarks.lora_kernels import LoraKernelBenchArgs, bench_lora_kernels
 
         return bench_lora_kernels(config, LoraKernelBenchArgs(**sweep))
+    if args.bench == "step":
+        from benchmarks.step import StepBenchArgs, bench_step
+
+        return bench_step(config, StepBenchArgs(**sweep))
     from benchmarks.learner import LearnerBenchArgs, bench_learner
 
     return bench_learner(config, LearnerBenchArgs(**sweep))

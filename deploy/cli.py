@@ -4,7 +4,8 @@
     qerl train --config configs/tiny_cpu.yaml [section.key=value ...]
     qerl train --resume RUN_DIR [train.steps=N ...]
     qerl eval (--config FILE | RUN_DIR) [--adapter PEFT_FOLDER] [section.key=value ...]
-    qerl bench rollout|sync|learner|lora-kernels [--config FILE] [--shape NAME] [sweep flags] [overrides]
+    qerl bench rollout|sync|learner|step|fidelity|fleet|lora-kernels [--config FILE] [--shape NAME] [flags]
+               [overrides]
     qerl report RUN_DIR [RUN_DIR ...] [--out PNG]
     qerl scale RUN_DIR --workers N [--wait SECONDS]
 """

@@ -19,6 +19,14 @@ import torch
 
 from learner.logprobs import completion_logprobs
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
+from learner.memory_budget import (
+    MicroBatchLimits,
+    cap_learner_memory,
+    choose_limits,
+    fixed_limits,
+    set_gradient_checkpointing,
+)
+from learner.micro_batches import arrival_order_plan, plan_micro_batches
 from learner.policy import add_policy_lora, load_learner_base, random_base, served_base
 from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
@@ -76,9 +84,10 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))
         self.version = 0
-        if config.gradient_checkpointing:
-            # non-reentrant: works with frozen (even packed 4-bit) bases and needs no input grads
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cap_learner_memory(config)
+        self.limits: MicroBatchLimits | None = fixed_limits(config)  # None: chosen at the first step (auto)
+        if self.limits is not None:
+            set_gradient_checkpointing(model, self.limits.gradient_checkpointing)
 
     def rollout_base(self) -> ServedBase | None:
         """The base the engines serve for this learner's policy pair."""
@@ -98,6 +107,8 @@ class Learner:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self.model.train()
+        if self.limits is None:
+            self.limits = choose_limits(self, samples, temperature)
         old = None if self.config.mini_batches == 1 else self._old_logprobs(samples, temperature)
         sums = new_step_sums()
         by_lag: dict[int, list[float]] = {}  # staleness -> [KL(rollout||learner) summed over tokens, tokens]
@@ -120,6 +131,9 @@ class Learner:
             self.version += 1
         stepped = max(len(slices) - skipped, 1)
         tokens = max(sum(len(s.completion_ids) for s in samples), 1)
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        padding = self._plan(lengths).padding_frac
+        padding_unsorted = arrival_order_plan(lengths, self.limits.rows or len(lengths)).padding_frac
         peak = {"learner/peak_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}
         return {
             **peak,
@@ -135,6 +149,11 @@ class Learner:
             "learner/ref_kl": sums["ref_kl"] / tokens,
             "learner/skipped_steps": float(skipped),
             "learner/tokens": float(tokens),
+            "learner/sequence_tokens": float(sum(lengths)),
+            "learner/padding_frac": padding,
+            "learner/padding_frac_unsorted": padding_unsorted,
+            "learner/micro_batch_tokens": float(self.limits.tokens or 0),
+            "learner/gradient_checkpointing": float(self.limits.gradient_checkpointing),
             "learner/step_ms": (time.perf_counter() - started) * 1e3,
             "learner/version": float(self.version),
             "mismatch/kl": sums["kl"] / tokens,
@@ -144,13 +163,18 @@ class Learner:
 
     def _old_logprobs(self, samples: list[TrainSample], temperature: float) -> list[torch.Tensor]:
         """Each sample's logprobs before the first optimizer step (the PPO ratio's reference)."""
-        rows = []
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         with torch.no_grad():
-            for first in range(0, len(samples), self.config.micro_batch_size):
-                chunk = samples[first : first + self.config.micro_batch_size]
+            for indices in self._plan([len(s.prompt_ids) + len(s.completion_ids) for s in samples]).batches:
+                chunk = [samples[i] for i in indices]
                 scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
-                rows += [row[: len(s.completion_ids)] for row, s in zip(scores.logprobs, chunk)]
+                for index, row, sample in zip(indices, scores.logprobs, chunk):
+                    rows[index] = row[: len(sample.completion_ids)]
         return rows
+
+    def _plan(self, lengths: list[int]):
+        """Micro-batches of similar lengths within the step's limits (learner/micro_batches.py)."""
+        return plan_micro_batches(lengths, self.limits.rows or len(lengths), self.limits.tokens)
 
     def _accumulate_gradients(self, samples: list[TrainSample], old: list[torch.Tensor] | None,
                               temperature: float, sums: dict[str, float],
@@ -162,14 +186,14 @@ class Learner:
         config = self.config
         total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
         total_loss = 0.0
-        for first in range(0, total_seqs, config.micro_batch_size):
-            chunk = samples[first : first + config.micro_batch_size]
+        for indices in self._plan([len(s.prompt_ids) + len(s.completion_ids) for s in samples]).batches:
+            chunk = [samples[i] for i in indices]
             scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
             mask, device = scores.mask, scores.mask.device
             if old is None:  # one optimizer step per batch: the pre-update logprobs are these very values
                 old_chunk = scores.logprobs.detach()
             else:
-                old_chunk = _padded(old[first : first + len(chunk)], mask.shape)
+                old_chunk = _padded([old[i] for i in indices], mask.shape)
             inputs = PolicyLossInputs(
                 logprobs=scores.logprobs,
                 old_logprobs=old_chunk.to(device),

@@ -8,11 +8,19 @@ engine runs in). Forward and backward go through `PackedMatmul`, which saves onl
 tensors and rebuilds the weight for dX = dY W, so the learner's memory stays near 4 bits a
 weight however many layers a step goes through. peft puts its LoRA on top through its
 custom-module hook (`packed_lora_config`): GPTQLoraLinear is a generic base(x) + B(A(x)) layer.
+
+On a GPU the rebuild runs as one fused kernel (`torch.compile` of the same function; eager
+PyTorch spends more time on it than on the GEMM it feeds). Its arithmetic is the reference's
+(bf16 products of exact codes and scales are exact in fp32, then rounded once; NVFP4's division
+by the global scale stays in eager PyTorch), so the GPU test compares the two bit for bit. The
+CPU runs the reference.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -39,6 +47,30 @@ def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = table[(codes & 0x07).long()] * torch.where((codes & 0x08).bool(), -1.0, 1.0)
     return values.to(dtype)
+
+
+def int4_weight(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int) -> torch.Tensor:
+    """codes x group scale, in the scales' dtype (compressed-tensors' int4 decompression)."""
+    codes = unpack_int4(qweight, in_features).to(scale.dtype)
+    return codes * scale.repeat_interleave(group_size, dim=1)
+
+
+def nvfp4_weight(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 values x fp32 group scale (already divided by the global scale)."""
+    return unpack_e2m1(qweight, torch.float32) * scale.repeat_interleave(16, dim=1)
+
+
+@cache
+def fused(rebuild: Callable) -> Callable:
+    """`rebuild` compiled into one GPU kernel (one graph per weight shape: a 7B model has four)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(rebuild, dynamic=False, fullgraph=True)
+
+
+def rebuild_on(device: torch.device, rebuild: Callable) -> Callable:
+    return fused(rebuild) if device.type == "cuda" else rebuild
 
 
 class PackedMatmul(torch.autograd.Function):
@@ -69,8 +101,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     def dequantized_weight(self) -> torch.Tensor:
-        codes = unpack_int4(self.qweight, self.in_features).to(self.scale.dtype)
-        return codes * self.scale.repeat_interleave(self.group_size, dim=1)
+        rebuild = rebuild_on(self.qweight.device, int4_weight)
+        return rebuild(self.qweight, self.scale, self.in_features, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = PackedMatmul.apply(x, self)
@@ -93,8 +125,7 @@ class Nvfp4Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         scale = self.scale.to(torch.float32) / self.global_scale  # as compressed-tensors' _dequantize
-        values = unpack_e2m1(self.qweight, torch.float32)
-        return values * scale.repeat_interleave(16, dim=1)
+        return rebuild_on(self.qweight.device, nvfp4_weight)(self.qweight, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = PackedMatmul.apply(x, self)

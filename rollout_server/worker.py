@@ -135,7 +135,7 @@ class RolloutWorker:
             SamplingParams(
                 n=sampling.samples_per_prompt,
                 temperature=sampling.temperature,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=sampling.limit(first_prompt + index),
                 logprobs=0,
                 seed=prompt_seed(sampling.seed, first_prompt + index) if self.request_seeds else None,
                 ignore_eos=sampling.ignore_eos,

@@ -7,7 +7,7 @@ types are errors (extra="forbid"), reported as one line by `load_config`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -205,10 +205,19 @@ class LearnerConfig(_Strict):
     overlong_penalty: float = Field(1.0, ge=0)
     max_bad_steps: int = Field(3, ge=1)
     """Non-finite loss or gradients skip the optimizer step; this many in a row stop the run."""
-    gradient_checkpointing: bool = False
-    """Recompute the base's activations in backward: peak memory follows micro_batch_size."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
+    gradient_checkpointing: bool | Literal["auto"] = False
+    """Recompute the base's activations in backward: peak memory follows micro_batch_size.
+    auto (GPU): off when a micro-batch of 2048 tokens fits without it in the memory free at the
+    first step, else on (learner/memory_budget.py)."""
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = 64
+    """Most sequences per forward/backward (sorted by length, so each micro-batch holds similar
+    lengths); gradients accumulate over a mini-batch's micro-batches. auto (GPU): no row limit,
+    a token budget measured from the memory free at the first step; on a CPU, 64."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Most padded tokens (rows x longest row) per micro-batch; None: no budget (auto sets one)."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Cap on the learner's GPU memory (torch's allocator refuses more), e.g. its share of a
+    smaller card; auto limits plan within it. None: what the device has free."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
     against the learner's logprobs before the first of them, so the clip bites from the second."""

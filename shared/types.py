@@ -27,6 +27,13 @@ class SamplingSettings:
     seed: int
     ignore_eos: bool = False
     """Run every request to max_new_tokens (benchmarks)."""
+    max_new_tokens_by_prompt: tuple[int, ...] = ()
+    """A limit per prompt of the batch, in place of max_new_tokens (benchmarks: with ignore_eos,
+    a mix of completion lengths); empty: max_new_tokens for every prompt."""
+
+    def limit(self, prompt_index: int) -> int:
+        """The most tokens prompt `prompt_index` of the batch may generate."""
+        return self.max_new_tokens_by_prompt[prompt_index] if self.max_new_tokens_by_prompt else self.max_new_tokens
 
 
 @dataclass(frozen=True)

@@ -140,3 +140,51 @@ def test_importance_metrics_are_reported(tiny_model, tmp_path):
     assert stats["learner/importance_ratio_max"] == pytest.approx(4.0, rel=1e-4)
     assert stats["learner/truncated_frac"] == pytest.approx(high / sum(tokens))
     assert stats["learner/lr"] == pytest.approx(1e-3)
+
+
+def _full_vocabulary_logprobs(model, pairs, temperature):
+    """The reference: the whole model's logits at every position, log-softmax, then gather."""
+    rows = []
+    for prompt, completion in pairs:
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
+        logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)], dim=-1)
+        rows.append(logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1))
+    return rows
+
+
+@pytest.mark.parametrize("chunk", [2048, 3])
+def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_model, tmp_path, monkeypatch, chunk):
+    """Logits of completion positions only, a few tokens at a time, recomputed in backward: the
+    same logprobs and gradients as the whole model's log-softmax, unpadded row by row."""
+    import learner.logprobs as logprobs
+
+    monkeypatch.setattr(logprobs, "LOGIT_CHUNK_TOKENS", chunk)
+    learner = _learner(tiny_model, tmp_path)
+    with torch.no_grad():
+        for param in learner.lora_params:  # a non-zero adapter, so LoRA takes part
+            param.add_(torch.randn_like(param) * 0.05)
+    pairs = [(s.prompt_ids, s.completion_ids) for s in _samples(6)]
+    scores = logprobs.completion_logprobs(learner.model, pairs, 0.7, learner.pad_id)
+    scores.logprobs.sum().backward()
+    chunked = [p.grad.clone() for p in learner.lora_params]
+    learner.optimizer.zero_grad()
+    reference = _full_vocabulary_logprobs(learner.model, pairs, 0.7)
+    torch.stack([row.sum() for row in reference]).sum().backward()
+    for row, (_, completion), want in zip(scores.logprobs, pairs, reference):
+        assert torch.allclose(row[: len(completion)], want, atol=1e-5)
+        assert torch.all(row[len(completion) :] == 0)
+    worst = max(((a - p.grad).abs().max() / p.grad.abs().max()).item() for a, p in zip(chunked, learner.lora_params))
+    assert worst < 1e-4, worst
+    assert scores.mask.sum() == sum(len(c) for _, c in pairs) and torch.all(scores.entropy >= 0)
+
+
+def test_step_metrics_report_the_padding_saved_by_sorting(tiny_model, tmp_path):
+    stats = _learner(tiny_model, tmp_path, micro_batch_size=4).train_step(_samples(), 1.0)
+    assert 0 <= stats["learner/padding_frac"] < stats["learner/padding_frac_unsorted"]
+    assert stats["learner/sequence_tokens"] == sum(len(s.prompt_ids) + len(s.completion_ids) for s in _samples())
+
+
+def test_auto_micro_batches_on_a_cpu_use_the_default_size(tiny_model, tmp_path):
+    learner = _learner(tiny_model, tmp_path, micro_batch_size="auto", gradient_checkpointing="auto")
+    assert (learner.limits.rows, learner.limits.tokens, learner.limits.gradient_checkpointing) == (64, None, False)
+    assert math.isfinite(learner.train_step(_samples(), 1.0)["learner/loss"])

@@ -18,7 +18,10 @@
 # the 32B int4 engine on Marlin beside bf16; async trains a 0.5B shape at rollout.max_staleness 0, 1
 # and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU; dual-stream-bf16 the 7B bf16 engine
 # with and without dual-stream LoRA; fleet-gpus (2 or more GPUs) the fleet at one GPU per worker and
-# a training with the learner and the workers on GPUs of their own. Each opt-in stage fits one
+# a training with the learner and the workers on GPUs of their own; rebuild-tests checks the fused
+# GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
+# of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
+# lengths within an 80 GiB budget. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -153,6 +156,16 @@ for stage in ${*:-tests rollout sync learner train}; do
           --steps 2 policy.format=int4 train.prompts_per_step=32 rollout.chunk_sequences=64 \
           rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35 \
           rollout.kv_cache_memory_bytes=8589934592 rollout.enforce_eager=true --json "$out/fleet_7b.json" ;;
+    rebuild-tests)
+      python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+          --target /tmp/site .gpu/extra/*.whl
+      run rebuild_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_packed_rebuild_gpu.py ;;
+    step-7b)
+      run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
+          --steps 2 --json "$out/step_7b.json" ;;
+    step-7b-80g)
+      run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
+          --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;
     dual-stream-bf16)
       # dual-stream LoRA on the bf16 engine beside the plain bf16 engine, same call
       lever bf16_single_stream --peer-concurrency "" --repeats 2
