@@ -92,6 +92,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     learner.add_argument("--prompt-len", type=at_least(1), default=None)
     learner.add_argument("--gen-len", type=at_least(1), default=None)
     learner.add_argument("--repeats", type=at_least(1), default=2)
+    learner.add_argument("--profile", metavar="DIR", type=_output_folder, default=None,
+                         help="also profile one step at the largest micro-batch (device time by kernel kind)")
     fidelity = kinds.add_parser("fidelity", help="KL(rollout||learner), |dlogprob| and rollout entropy per policy pair")
     _common(fidelity)
     fidelity.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),

@@ -8,6 +8,7 @@ import math
 import random
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 
@@ -38,6 +39,8 @@ class LearnerBenchArgs:
     prompt_len: int | None = None
     gen_len: int | None = None
     repeats: int = 2
+    profile: str | None = None
+    """Folder: also profile one step at the largest micro-batch (device time by kernel kind)."""
     json: str | None = None
 
 
@@ -108,6 +111,13 @@ def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict
                          "export_ms": export_ms, "loss_finite": all(math.isfinite(s["learner/loss"]) for s in stats),
                          "grad_norm": stats[-1]["learner/grad_norm"]})
             log(f"[qerl]   {base_format} micro-batch {micro_batch}: {tokens / step_s:,.0f} tok/s")
+        if args.profile:
+            from benchmarks.profile import profile_generate
+
+            one_step = partial(learner.train_step, samples, 1.0)
+            summary = profile_generate(one_step, 1, f"{args.profile}/{base_format}")
+            rows[-1]["profile"] = summary
+            log(summary["line"].replace("per decode step", "per learner step"))
         del learner, base
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@
 # a training with the learner and the workers on GPUs of their own; rebuild-tests checks the fused
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
-# lengths within an 80 GiB budget. Each opt-in stage fits one
+# lengths within an 80 GiB budget; learner-profile shows where the bf16 7B learner step goes. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -166,6 +166,11 @@ for stage in ${*:-tests rollout sync learner train}; do
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;
+    learner-profile)
+      # where the bf16 7B learner's step goes: 24 sequences of 10 + 256 tokens, checkpointing off
+      run learner_profile_7b qerl bench learner --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
+          --formats bf16 --micro-batches 8,24 --prompt-len 10 --gen-len 256 --repeats 2 --profile "$out/profile" \
+          learner.gradient_checkpointing=false --json "$out/learner_profile_7b.json" ;;
     dual-stream-bf16)
       # dual-stream LoRA on the bf16 engine beside the plain bf16 engine, same call
       lever bf16_single_stream --peer-concurrency "" --repeats 2
