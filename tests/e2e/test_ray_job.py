@@ -24,7 +24,7 @@ from process_sockets import listening_sockets
 from deploy.ray_cluster import connection_hint
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 RUNTIME_ENV = yaml.safe_load((ROOT / "deploy" / "cluster" / "runtime_env.yaml").read_text())
 
 

@@ -185,7 +185,7 @@ def test_overwrite_keeps_the_previous_run_when_the_new_model_cannot_load(tiny_mo
     result = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "train", "--config", "configs/tiny_cpu.yaml", f"model.path={model}",
          f"train.run_dir={run_dir}", "train.overwrite=true", "rollout.num_workers=1"],
-        cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300,
+        cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300,
     )
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2, result.stderr[-2000:]
@@ -197,7 +197,7 @@ def test_tensorboard_without_its_package_is_refused_before_anything_starts(tmp_p
     import importlib.util
 
     if importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed here: train.tensorboard works (tests/test_report.py)")
+        pytest.skip("tensorboard is installed here: train.tensorboard works (tests/unit/test_report.py)")
     result = _qerl(capsys, "train", "--config", "configs/tiny_cpu.yaml", "train.tensorboard=true",
                    f"train.run_dir={tmp_path / 'run'}")
     _assert_one_line_error(result, "tensorboard package is not installed")
