@@ -1,5 +1,6 @@
 """The learner on the real NF4 + peft tiny model: the PPO clip bites with several mini-batches,
-gradients do not depend on the micro-batch size, and state_dict/load_state_dict resume exactly."""
+gradients do not depend on the micro-batch size, state_dict/load_state_dict resume exactly, and
+the adapter it exports carries peft's names."""
 
 from __future__ import annotations
 
@@ -140,3 +141,12 @@ def test_importance_metrics_are_reported(tiny_model, tmp_path):
     assert stats["learner/importance_ratio_max"] == pytest.approx(4.0, rel=1e-4)
     assert stats["learner/truncated_frac"] == pytest.approx(high / sum(tokens))
     assert stats["learner/lr"] == pytest.approx(1e-3)
+
+
+def test_learner_export_names_match_peft(tiny_model, tmp_path):
+    from peft import get_peft_model_state_dict
+
+    learner = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), LearnerConfig(), str(tmp_path)))
+    ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
+    assert ours.keys() == peft_names.keys() and len(ours) > 0
+    assert all(torch.equal(ours[name], peft_names[name]) for name in ours)

@@ -1,14 +1,7 @@
-from shared.tiny_model import RECIPE, build_tokenizer, recipe_hash, tiny_model_path, tiny_model_report
+"""The embedded tiny model as the suite uses it: built once into the cache, small, and right
+sometimes but far from always (its warm start stops on purpose)."""
 
-
-def test_character_tokenizer_round_trips():
-    tokenizer = build_tokenizer()
-    text = "Question: 12+34=?\nAnswer: 46 \\boxed{46}"
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) == len(text)  # one token per character
-    assert tokenizer.decode(ids) == text
-    assert tokenizer.eos_token == "<eos>" and tokenizer.pad_token == "<pad>"
-    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+from shared.tiny_model import RECIPE, tiny_model_path, tiny_model_report
 
 
 def test_tiny_model_is_cached_small_and_partly_right(tiny_model):
@@ -23,7 +16,3 @@ def test_tiny_model_is_cached_small_and_partly_right(tiny_model):
     weights_mb = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors")) / 2**20
     assert weights_mb < 16  # a few million fp32 parameters at most
     assert tiny_model_path() == tiny_model  # second call: cache hit, same folder
-
-
-def test_recipe_change_means_a_new_cache_entry():
-    assert recipe_hash({**RECIPE, "seed": RECIPE["seed"] + 1}) != recipe_hash(RECIPE)
