@@ -1,12 +1,13 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
-# Both first create or refresh .venv with the pinned CPU stack.
+# Both first create or refresh .venv with the pinned CPU stack. `make test-fast` is the quick
+# loop while editing: ruff and the unit tier (tests/unit: no Ray, no engine, no training).
 
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.qerl-setup-done
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 setup: $(STAMP)
 
@@ -25,11 +26,17 @@ demo: setup
 
 # Lint first (ruff: errors and import order). pytest exits 5 when it collects nothing: for this
 # suite that means something is broken.
+PYTEST = $(BIN)/python -m pytest -q -rs $(1); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "make $@: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$status
+
 test: setup
 	$(BIN)/ruff check .
-	@$(BIN)/python -m pytest -q -rs; status=$$?; \
-	if [ $$status -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; \
-	exit $$status
+	@$(call PYTEST,)
+
+test-fast: setup
+	$(BIN)/ruff check .
+	@$(call PYTEST,tests/unit)
 
 clean:
 	rm -rf $(VENV) runs

@@ -21,7 +21,7 @@ import pytest
 from shared.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 500  # the test stops the run with SIGTERM once the replacement has served
 
 

@@ -5,7 +5,7 @@ import pytest
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
 
-CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
 
 def test_configs_folder_is_not_empty():

@@ -10,12 +10,10 @@ from random import Random
 
 import pytest
 
-from deploy.rollouts import Group, RolloutsAhead, collect
+from deploy.rollouts import RolloutsAhead, collect
 from deploy.train import resume, start_run, train_loop
 from shared.config import load_config
 from shared.metrics import read_metrics
-from shared.tasks import Problem
-from shared.types import Completion
 
 pytestmark = pytest.mark.slow
 STEPS = 40
@@ -87,9 +85,3 @@ def test_an_asynchronous_run_learns(async_run):
 def test_a_resumed_run_draws_the_in_flight_prompts_again(async_run):
     _, (in_flight, drawn) = async_run
     assert drawn == in_flight and len(drawn) == PROBLEMS
-
-
-def test_group_staleness_counts_adapter_versions_behind_the_learner():
-    completions = [Completion(0, [1], [0.0], "stop", version, 0.0, 0) for version in (3, 3)]
-    group = Group(Problem("1+1=", "2"), [1], completions)
-    assert group.staleness(3) == 0 and group.staleness(5) == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 PRODUCTION = ("shared", "learner", "rollout_server", "deploy")
 ENTRY_POINT = ROOT / "deploy" / "cli.py"  # dispatches `qerl bench` to the benchmarks package
 

@@ -61,3 +61,9 @@ def test_dynamic_sampling_keeps_groups_with_a_reward_spread():
     assert [g.problem.prompt for g in kept] == ["1+3="]
     samples = training_samples(kept, 2)
     assert [round(s.advantage, 4) for s in samples] == [1.0, -1.0]
+
+
+def test_group_staleness_counts_adapter_versions_behind_the_learner():
+    completions = [Completion(0, [1], [0.0], "stop", version, 0.0, 0) for version in (3, 3)]
+    group = Group(Problem("1+1=", "2"), [1], completions)
+    assert group.staleness(3) == 0 and group.staleness(5) == 2

@@ -1,5 +1,6 @@
 """The learner on the real NF4 + peft tiny model: the PPO clip bites with several mini-batches,
-gradients do not depend on the micro-batch size, and state_dict/load_state_dict resume exactly."""
+gradients do not depend on the micro-batch size, state_dict/load_state_dict resume exactly, and
+the adapter it exports carries peft's names."""
 
 from __future__ import annotations
 
@@ -188,3 +189,12 @@ def test_auto_micro_batches_on_a_cpu_use_the_default_size(tiny_model, tmp_path):
     learner = _learner(tiny_model, tmp_path, micro_batch_size="auto", gradient_checkpointing="auto")
     assert (learner.limits.rows, learner.limits.tokens, learner.limits.gradient_checkpointing) == (64, None, False)
     assert math.isfinite(learner.train_step(_samples(), 1.0)["learner/loss"])
+
+
+def test_learner_export_names_match_peft(tiny_model, tmp_path):
+    from peft import get_peft_model_state_dict
+
+    learner = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), LearnerConfig(), str(tmp_path)))
+    ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
+    assert ours.keys() == peft_names.keys() and len(ours) > 0
+    assert all(torch.equal(ours[name], peft_names[name]) for name in ours)

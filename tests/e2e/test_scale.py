@@ -22,7 +22,7 @@ from process_sockets import listening_sockets
 from shared.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _qerl(*args: str) -> subprocess.CompletedProcess:

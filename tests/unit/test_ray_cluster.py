@@ -1,11 +1,11 @@
-"""Placement is checked before any actor starts: a run the cluster cannot place stops with one
-line naming what did not fit (Ray itself would wait for the resources forever, silently)."""
+"""Placement is checked before any actor starts: the packing of actors onto nodes, what each
+actor needs, where a Ray job may write, and the hint a driver without the cluster token gets."""
 
 from __future__ import annotations
 
 import pytest
 
-from deploy.ray_cluster import ActorNeed, actor_needs, check_cluster_fits, check_run_dir_for_job, unplaceable
+from deploy.ray_cluster import ActorNeed, actor_needs, check_run_dir_for_job, connection_hint, unplaceable
 from shared.config import load_config
 from shared.errors import QerlError
 
@@ -29,17 +29,6 @@ def test_actor_needs_follow_the_config():
     assert needs[0].gpus == 1 and {n.gpus for n in needs[1:]} == {0.5}
 
 
-def test_a_run_the_local_cluster_cannot_place_is_one_line(ray_local):
-    fits = load_config(None, ["rollout.num_workers=2"])
-    check_cluster_fits(fits, 0.0)
-    gpu_run = load_config(None, ["rollout.num_gpus_per_worker=1"])
-    with pytest.raises(QerlError) as error:
-        check_cluster_fits(gpu_run, 1.0, log=lambda line: None)
-    message = str(error.value)
-    assert message.startswith("the Ray cluster cannot place this run: rollout worker")
-    assert "waited 1 s (ray.placement_timeout_s)" in message and "\n" not in message
-
-
 def test_a_relative_run_dir_is_refused_only_inside_a_ray_job(monkeypatch):
     check_run_dir_for_job("runs/x")  # a plain `qerl train`: relative to where it runs
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
@@ -48,15 +37,7 @@ def test_a_relative_run_dir_is_refused_only_inside_a_ray_job(monkeypatch):
         check_run_dir_for_job("runs/x")
 
 
-@pytest.mark.slow
-def test_a_worker_that_cannot_see_the_rollout_base_says_so(ray_local, tmp_path):
-    from rollout_server.pool import RolloutPool
-    from shared.types import ServedBase
-
-    missing = tmp_path / "rollout_base"  # as on a node without the learner's storage
-    config = load_config(None, ["rollout.num_workers=1"]).rollout
-    with pytest.raises(QerlError) as error:
-        RolloutPool(ServedBase(str(missing), None, "nf4-exact"), config, 8, log=lambda line: None)
-    message = str(error.value)
-    assert message.startswith("rollout worker 0 could not start: rollout worker 0 on ")
-    assert f"the rollout base {missing} is not on this node" in message and "\n" not in message
+def test_the_hint_is_left_out_once_token_auth_is_set(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    line = connection_hint("10.0.0.1:6379", ConnectionError("Failed to connect"))
+    assert line == "cannot connect to the Ray cluster at 10.0.0.1:6379 (Failed to connect)"

@@ -13,7 +13,7 @@ import yaml
 from deploy.ray_cluster import actor_needs, unplaceable
 from shared.config import load_config
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 CLUSTER = ROOT / "deploy" / "cluster"
 
 

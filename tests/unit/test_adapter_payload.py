@@ -53,18 +53,6 @@ def test_garbage_payload_is_rejected_with_a_clear_error(payload):
         decode_adapter(payload)
 
 
-def test_learner_export_names_match_peft(tiny_model, tmp_path):
-    from peft import get_peft_model_state_dict
-
-    from learner.actor import LearnerSpec, build_learner, lora_state_dict
-    from shared.config import LearnerConfig, LoraConfig
-
-    learner = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), LearnerConfig(), str(tmp_path)))
-    ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
-    assert ours.keys() == peft_names.keys() and len(ours) > 0
-    assert all(torch.equal(ours[name], peft_names[name]) for name in ours)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_staging_upload_is_exact_and_the_buffer_can_be_reused():

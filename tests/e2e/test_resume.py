@@ -25,7 +25,7 @@ from shared.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 6
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = ["rollout.num_workers=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=5",
              "train.prompts_per_step=8", "checkpoint.every=1", "checkpoint.keep=10", "learner.warmup_steps=2",
              "lora.rank=8", "lora.alpha=16", "train.eval_every=3", "train.eval_problems=16"]

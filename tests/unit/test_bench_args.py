@@ -1,0 +1,41 @@
+"""The benchmarks' argument checks and pure helpers: what each refuses before any engine or
+learner starts, the default sequence lengths, and the profile's busy-time union."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.fleet import FleetBenchArgs, bench_fleet
+from benchmarks.learner import LearnerBenchArgs, bench_learner
+from benchmarks.profile import busy_us, kernel_kind
+from benchmarks.rollout import sequence_lengths
+from shared.config import load_config
+from shared.errors import QerlError
+
+
+def test_default_lengths_fit_the_model_and_too_long_is_an_error():
+    assert sequence_lengths(None, None, 32768) == (256, 512)
+    assert sequence_lengths(None, None, 256) == (64, 128)  # the tiny model's context
+    with pytest.raises(QerlError, match="exceed the model's context of 256 tokens"):
+        sequence_lengths(256, 512, 256)
+
+
+def test_bench_learner_rejects_an_unknown_format():
+    with pytest.raises(QerlError, match="--formats int3"):
+        bench_learner(load_config(None), LearnerBenchArgs(formats=("int3",)))
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    intervals = [("a", 0.0, 10.0), ("b", 5.0, 12.0), ("c", 20.0, 25.0), ("d", 21.0, 22.0)]
+    assert busy_us(intervals) == 17.0
+    assert kernel_kind("_lora_shrink_kernel") == "lora"
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert kernel_kind("flash_fwd_splitkv_kernel") == "attention"
+
+
+def test_bench_fleet_bad_sweeps():
+    config = load_config(None, [])
+    with pytest.raises(QerlError, match="--dispatch takes queue and/or slices"):
+        bench_fleet(config, FleetBenchArgs(dispatch=("round-robin",)))
+    with pytest.raises(QerlError, match="--slow-worker is a slowdown factor"):
+        bench_fleet(config, FleetBenchArgs(slow_worker=0.5))
