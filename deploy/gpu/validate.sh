@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU validation on one GPU with vLLM 0.26 installed (README: "On a GPU machine"):
+# GPU validation on one GPU with vLLM 0.26 installed (docs/benchmarks.md, "On a GPU machine"):
 #   bash deploy/gpu/validate.sh [STAGE ...]
 # Stages (default, in this order): tests rollout sync learner train. Opt-in: engine-core compares
 # vLLM's engine core in its own process; levers compares rollout throughput levers (per-request
