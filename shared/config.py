@@ -245,6 +245,26 @@ class TaskConfig(_Strict):
     """Held-out JSONL file (same layout) for `qerl eval` and train.eval_every (jsonl task)."""
     prompt_template: str = "Question: {question}\nAnswer:"
     """How a problem becomes a prompt; {question} is the only field."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Send the prompt as a user message through the tokenizer's chat template (an instruct
+    model's format): true, false (the raw text), or "auto": when the tokenizer has one. The
+    embedded tiny model's template renders a lone user message as the raw text."""
+    system_prompt: str | None = None
+    """A system message before every prompt (needs a chat template)."""
+    grader: Literal["math", "exact"] = "math"
+    """How the jsonl task grades: "math" checks equivalence with HF math-verify (1/2 = 0.5 =
+    \\frac{1}{2}, x = 3, 1{,}000; bounded: shared/tasks/math_grader.py); "exact" compares the
+    extracted final answers (after ####, else the last \\boxed{}, else the last number) by value.
+    The addition task always grades exactly."""
+    reward: str | None = None
+    """A reward function "package.module:function" replacing the task's grade in training:
+    (prompt, completion, reference) -> float, or a dict of named floats that are summed (each
+    logged as reward/<name>). shared.rewards.format_and_correct is an example. Evaluation
+    still reports the task's own grade."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """A reward call taking longer scores its sample 0 and is counted in rollout/reward_errors."""
+    reward_threads: int = Field(4, ge=1, le=64)
+    """Threads scoring completions beside the driver, which keeps the rollout queue moving meanwhile."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -253,6 +273,15 @@ class TaskConfig(_Strict):
             value.format(question="")
         except (KeyError, IndexError, ValueError) as error:
             raise ValueError(f"{value!r} may name only {{question}} (found {error})") from None
+        return value
+
+    @field_validator("reward")
+    @classmethod
+    def _loadable_reward(cls, value: str | None) -> str | None:
+        if value is not None:
+            from shared.rewards import load_reward_function
+
+            load_reward_function(value)  # a bad path or signature: ValueError, one line
         return value
 
 
