@@ -102,6 +102,8 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     if config.train.tensorboard:
         check_tensorboard()
     prepared = prepare_run(config, log)  # every check that needs no actor: before any engine starts
+    for warning in config.warnings():
+        log(f"[qerl] warning: {warning}")
     eval_problems = prepared.task.held_out(config.train.eval_problems) if config.train.eval_every else []
     run_dir.mkdir(parents=True, exist_ok=True)
     started_ray = connect_ray(config, log)

@@ -211,7 +211,9 @@ class LearnerConfig(_Strict):
     """Sequences per forward/backward; gradients accumulate over a mini-batch's micro-batches."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
-    against the learner's logprobs before the first of them, so the clip bites from the second."""
+    against the learner's logprobs before the first of them, so the clip bites from the second:
+    at 1 the ratio is 1 and no clip acts, DAPO's clip-higher included (learner/clip_frac = 0;
+    train warns). DAPO's recipe takes several (e.g. 4)."""
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
 
@@ -357,6 +359,15 @@ class QerlConfig(_Strict):
 
     def engine_dtype(self) -> str:
         return self.rollout.engine_dtype(self.policy.format)
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but do not do what their names suggest."""
+        notes = []
+        if self.learner.algorithm == "dapo" and self.learner.mini_batches == 1:
+            notes.append("learner.algorithm dapo with learner.mini_batches 1: the importance ratio is 1 at the "
+                         "only optimizer step, so DAPO's clip-higher never acts (learner/clip_frac stays 0); "
+                         "set learner.mini_batches to 2 or more for it to")
+        return notes
 
     def learner_settings(self) -> LearnerConfig:
         """The learner's settings with "until the end of the run" resolved."""

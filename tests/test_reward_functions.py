@@ -90,3 +90,4 @@ def test_a_bad_reward_is_a_one_line_config_error(spec, message):
     with pytest.raises(QerlError, match=f"task.reward: .*{message}") as error:
         load_config(None, [f"task.reward={spec}"])
     assert "\n" not in str(error.value)
+
