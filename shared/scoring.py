@@ -94,7 +94,7 @@ class Scorer:
         for index, (problem, text) in enumerate(zip(problems, texts)):
             self._jobs.put(((self._batch, index), problem, text))
         outcomes: dict[int, dict[str, float] | BaseException] = {}
-        timeouts = 0
+        timeouts, last_tick = 0, time.monotonic()
         while len(outcomes) < len(texts):
             try:
                 key, outcome = self._results.get(timeout=_TICK_S)
@@ -102,9 +102,11 @@ class Scorer:
                     outcomes.setdefault(key[1], outcome)
             except queue.Empty:
                 pass
-            timeouts += self._time_out_overdue(outcomes)
-            if keep_busy is not None:
-                keep_busy()
+            if time.monotonic() - last_tick >= _TICK_S or len(outcomes) == len(texts):
+                last_tick = time.monotonic()
+                timeouts += self._time_out_overdue(outcomes)
+                if keep_busy is not None:  # at most every tick: a fast reward is not slowed by it
+                    keep_busy()
         return self._tally(texts, outcomes, timeouts)
 
     def _time_out_overdue(self, outcomes: dict) -> int:
