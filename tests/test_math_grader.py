@@ -83,3 +83,13 @@ def test_ordinary_powers_and_fractions_stay_within_bounds():
     for text in ("\\boxed{x^2+y^2}", "\\boxed{(2^{10})^{3}}", "\\frac{\\frac{1}{2}}{3}", "10^{9}"):
         assert within_bounds(text), text
     assert math_grade("1073741824", "\\boxed{(2^{10})^{3}}") == 1.0
+
+
+def test_working_before_a_boxed_answer_does_not_count_against_it(tmp_path):
+    """MATH-style: the bounds apply to the answer (from the last \\boxed on), not the working."""
+    working = "We differentiate e^{x^2} and get 2x e^{x^2}; " + "{" * 12 + "}" * 12 + " "
+    task = _task(tmp_path, [working + "so the answer is $\\boxed{\\frac{3}{4}}$."])
+    assert task.problems[0].answer.startswith("We differentiate")
+    assert task.reward(task.problems[0], working + "Hence \\boxed{0.75}.") == 1.0
+    assert task.reward(task.problems[0], working + "Hence \\boxed{0.7}.") == 0.0
+    assert math_grade("5", "\\boxed{5}" + " and so on" * 1000) == 1.0  # a long tail after the answer

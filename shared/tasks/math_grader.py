@@ -5,7 +5,9 @@ matches `1000`. math-verify's own timeouts use signal.alarm, which works only on
 and cannot interrupt a long integer operation in C anyway, so they are off; the bounds below keep
 every graded text small enough to be fast (a text outside them scores 0 without parsing):
 
-- only the last GRADED_CHARS characters of a completion are graded (the final answer is at the end);
+- only the text from the last `\\boxed` on is graded (math-verify takes the last boxed answer
+  first anyway), else the last GRADED_CHARS characters (the final answer is at the end), so
+  that a power or brace in the working before the answer does not count against it;
 - braces nest at most MAX_BRACE_DEPTH deep (500 nested braces take math-verify ~5 s);
 - no digit run longer than MAX_DIGITS, no exponent of more than MAX_EXPONENT_DIGITS digits, no
   power inside an exponent and no factorial of a number of several digits (`2^{2^{2^{100}}}` would
@@ -57,6 +59,12 @@ def _math_verify():
     return math_verify
 
 
+def answer_region(text: str) -> str:
+    """The part of a completion or reference that is graded (see the module's docstring)."""
+    boxed = text.rfind("\\boxed")
+    return text[boxed:boxed + GRADED_CHARS] if boxed >= 0 else text[-GRADED_CHARS:]
+
+
 def check_available() -> None:
     """A one-line error before anything starts where math-verify is missing."""
     _math_verify()
@@ -69,12 +77,13 @@ def _parsed_reference(reference: str):
 
 def parses(reference: str) -> bool:
     """Whether math-verify finds an answer in `reference` (checked once per dataset line)."""
-    return within_bounds(reference) and bool(_parsed_reference(reference))
+    region = answer_region(reference)
+    return within_bounds(region) and bool(_parsed_reference(region))
 
 
 def math_grade(reference: str, completion: str) -> float:
     """1.0 where the completion's final answer is equivalent to `reference`, else 0.0."""
-    tail = completion[-GRADED_CHARS:]
+    tail, reference = answer_region(completion), answer_region(reference)
     if not within_bounds(tail) or not within_bounds(reference):
         return 0.0
     math_verify = _math_verify()
