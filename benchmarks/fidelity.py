@@ -40,18 +40,16 @@ class FidelityBenchArgs:
 
 
 def bench_fidelity(config: QerlConfig, args: FidelityBenchArgs, log=print) -> dict:
-    from transformers import AutoTokenizer
-
-    from deploy.train import resolve_model_path
+    from learner.model import resolve_model_path
+    from shared.prompts import load_prompt_encoder
 
     formats = args.formats or tuple(POLICY_FORMATS)
     unknown = [f for f in formats if f not in POLICY_FORMATS]
     if unknown:
         raise QerlError(f"--formats {','.join(unknown)}: not one of {', '.join(POLICY_FORMATS)}")
-    model_path = resolve_model_path(config, log)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model_path = resolve_model_path(config.model.path, log)
     problems = build_task(config.task).sample(Random(config.train.seed), args.prompts)
-    prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    prompt_ids = load_prompt_encoder(model_path, config.task).encode([p.prompt for p in problems])
     rows, skipped = [], {}
     with started_ray(config.rollout), tempfile.TemporaryDirectory(prefix="qerl-fidelity-") as scratch:
         for policy_format in formats:

@@ -13,25 +13,33 @@ import ray
 
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
-from shared.tasks import Problem, Task, build_task
+from shared.prompts import PromptEncoder
+from shared.scoring import Scorer
+from shared.tasks import Problem, Task
 from shared.types import AdapterUpdate, SamplingSettings
 
 EVAL_SEED_OFFSET = 7_777_777  # eval draws never share seeds with training steps
 EVAL_ORDER = -1  # the work queue serves an evaluation before training batches submitted ahead
 
 
-def evaluate(pool, tokenizer, task: Task, problems: list[Problem], config: QerlConfig, seed: int) -> dict[str, float]:
+def evaluate(pool, prompts: PromptEncoder, task: Task, problems: list[Problem], config: QerlConfig,
+             seed: int) -> dict[str, float]:
     """eval/accuracy (greedy), eval/sampled_accuracy and eval/pass_at_k over `problems`, with the
-    pool's current adapter and no AQN noise."""
-    prompt_ids = tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+    pool's current adapter and no AQN noise. Graded by the task's own grade (not task.reward):
+    accuracy means correct answers."""
+    prompt_ids = prompts.encode([p.prompt for p in problems])
     max_new = config.rollout.max_new_tokens
     k = config.train.eval_samples
     # ahead of any training batch in the queue; the batches carry no AQN noise
     greedy = pool.generate(prompt_ids, SamplingSettings(1, 0.0, max_new, seed=seed), order=EVAL_ORDER)
     sampled = pool.generate(prompt_ids, SamplingSettings(k, config.rollout.temperature, max_new, seed=seed + 1),
                             order=EVAL_ORDER)
-    correct = _correct(tokenizer, task, problems, greedy)
-    sampled_correct = _correct(tokenizer, task, problems, sampled)
+    scorer = Scorer(task.reward, config.task.reward_timeout_s, config.task.reward_threads)
+    try:
+        correct, greedy_errors = _correct(scorer, prompts.tokenizer, problems, greedy, pool)
+        sampled_correct, sampled_errors = _correct(scorer, prompts.tokenizer, problems, sampled, pool)
+    finally:
+        scorer.close()
     by_problem = [[] for _ in problems]
     for completion, ok in zip(sampled, sampled_correct):
         by_problem[completion.prompt_index].append(ok)
@@ -41,23 +49,18 @@ def evaluate(pool, tokenizer, task: Task, problems: list[Problem], config: QerlC
         "eval/pass_at_k": sum(any(row) for row in by_problem) / len(by_problem),
         "eval/k": float(k),
         "eval/problems": float(len(problems)),
+        "eval/reward_errors": float(greedy_errors + sampled_errors),
     }
 
 
-def _correct(tokenizer, task: Task, problems: list[Problem], completions) -> list[bool]:
+def _correct(scorer: Scorer, tokenizer, problems: list[Problem], completions, pool) -> tuple[list[bool], int]:
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-    return [_safe_reward(task, problems[c.prompt_index], text) >= 1.0 for c, text in zip(completions, texts)]
+    scores = scorer.score([problems[c.prompt_index] for c in completions], texts, keep_busy=pool.pump_once)
+    return [reward >= 1.0 for reward in scores.rewards], scores.errors
 
 
-def _safe_reward(task: Task, problem: Problem, text: str) -> float:
-    try:
-        return task.reward(problem, text)
-    except Exception:  # a reward function's failure scores the sample 0 (train counts them)
-        return 0.0
-
-
-def held_out_problems(config: QerlConfig) -> list[Problem]:
-    problems = build_task(config.task).held_out(config.train.eval_problems)
+def held_out_problems(task: Task, config: QerlConfig) -> list[Problem]:
+    problems = task.held_out(config.train.eval_problems)
     if not problems:
         raise QerlError("the task has no held-out problems to evaluate on")
     return problems
@@ -114,41 +117,29 @@ def eval_config(run_dir: str | None, config_path: str | None, overrides: list[st
 def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, float]:
     """Start a learner (only to write the base the engines serve) and a pool, load the
     adapter, evaluate, stop everything."""
-    from transformers import AutoTokenizer
-
     from deploy.ray_cluster import connect_ray
-    from deploy.train import resolve_model_path
-    from learner.actor import LearnerActor, LearnerSpec
-    from rollout_server.pool import RolloutPool, ready_or_error
-    from rollout_server.vllm_internals import serving_problem
+    from deploy.run_builder import prepare_run, start_learner, start_pool
     from shared.formats import dtype_of
 
-    problem = serving_problem(config.policy.format, config.rollout)
-    if problem:
-        raise QerlError(problem)
+    prepared = prepare_run(config, log)
     update, rank = read_adapter_folder(adapter_folder, dtype_of(config.engine_dtype()))
-    problems = held_out_problems(config)
-    task = build_task(config.task)
-    model_path = resolve_model_path(config, log)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    problems = held_out_problems(prepared.task, config)
     started_ray = connect_ray(config, log)
     learner, pool = None, None
     try:
         with tempfile.TemporaryDirectory(prefix="qerl-eval-") as scratch:
-            spec = LearnerSpec(model_path, config.lora.model_copy(update={"rank": rank}), config.learner, scratch,
-                               config.policy, config.engine_dtype(), config.train.seed,
-                               "cuda" if config.learner.num_gpus > 0 else "cpu")
-            learner = ray.remote(LearnerActor).options(num_cpus=config.learner.num_cpus,
-                                                       num_gpus=config.learner.num_gpus).remote(spec)
-            info = ready_or_error(learner, "the learner")
-            pool = RolloutPool(info["served"], config.engine_rollout(), rank, log=log)
+            # no run folder to keep actor logs in: they stay with Ray's (shown with ray.log_to_driver)
+            learner, info = start_learner(config, prepared.model_path, scratch, None,
+                                          lora=config.lora.model_copy(update={"rank": rank}))
+            pool = start_pool(config, info, rank, log)
             try:
                 pool.update_adapter(update)
             except ray.exceptions.RayError as error:
-                raise QerlError(f"adapter {adapter_folder} does not fit the model {model_path}: "
+                raise QerlError(f"adapter {adapter_folder} does not fit the model {prepared.model_path}: "
                                 f"{str(error).strip().splitlines()[-1]}") from None
             log(f"[qerl] evaluating {adapter_folder} on {len(problems)} held-out problems")
-            return evaluate(pool, tokenizer, task, problems, config, seed=config.train.seed + EVAL_SEED_OFFSET)
+            return evaluate(pool, prepared.prompts, prepared.task, problems, config,
+                            seed=config.train.seed + EVAL_SEED_OFFSET)
     finally:
         if pool is not None:
             pool.shutdown()

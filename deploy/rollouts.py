@@ -21,6 +21,7 @@ from rollout_server.dispatch import Batch, Noise
 from shared.aqn import aqn_sigma
 from shared.config import QerlConfig
 from shared.errors import QerlError
+from shared.scoring import Scores
 from shared.tasks import Problem
 from shared.types import Completion, SamplingSettings, TrainSample
 
@@ -59,6 +60,10 @@ class Rollouts:
     groups_dropped: int = 0
     stale_dropped: int = 0
     reward_errors: int = 0
+    """Samples scored 0 because the reward raised, returned a non-number or timed out."""
+    reward_timeouts: int = 0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    """The first call's mean of each named part of a dict-returning task.reward."""
 
 
 def step_noise(config: QerlConfig, step: int) -> Noise:
@@ -98,7 +103,7 @@ class RolloutsAhead:
     def _submit(self, step: int, call: int, count: int) -> _Submitted:
         run = self.run
         problems = run.task.sample(self.rng, count)
-        prompt_ids = run.tokenizer([p.prompt for p in problems], add_special_tokens=False)["input_ids"]
+        prompt_ids = run.prompts.encode([p.prompt for p in problems])
         batch = run.pool.submit(prompt_ids, step_sampling(run.config, step, call), step_noise(run.config, step),
                                 order=step * CALLS_PER_STEP + call)
         return _Submitted(problems, prompt_ids, batch)
@@ -144,14 +149,19 @@ def collect(run, step: int, ahead: RolloutsAhead) -> Rollouts:
     generation_s = first_batch.batch.generation_s()
     fresh = [g for g in first if g.staleness(version) <= config.rollout.max_staleness]
     rollouts = Rollouts(fresh, first, step_noise(config, step).sigma, 0.0, generation_s, version,
-                        stale_dropped=len(first) - len(fresh), reward_errors=score(run, first))
+                        stale_dropped=len(first) - len(fresh))
+    scores = score(run, first)
+    rollouts.reward_errors, rollouts.reward_timeouts, rollouts.reward_parts = (scores.errors, scores.timeouts,
+                                                                             scores.components)
     if config.learner.uses_dynamic_sampling():
         kept = informative(fresh)
         rollouts.groups_dropped = len(fresh) - len(kept)
         while len(kept) < wanted and rollouts.generate_calls <= config.learner.max_refill_calls:
             extra = groups_of(run, ahead.refill(step, rollouts.generate_calls, wanted - len(kept)))
             rollouts.generate_calls += 1
-            rollouts.reward_errors += score(run, extra)
+            extra_scores = score(run, extra)
+            rollouts.reward_errors += extra_scores.errors
+            rollouts.reward_timeouts += extra_scores.timeouts
             useful = informative(extra)
             rollouts.groups_dropped += len(extra) - len(useful)
             kept += useful
@@ -165,29 +175,21 @@ def informative(groups: list[Group]) -> list[Group]:
     return [g for g, k in zip(groups, keep) if k]
 
 
-def score(run, groups: list[Group]) -> int:
-    """Each completion's task reward (0 where the reward function raised; returns how many did)
-    plus the overlong penalty."""
+def score(run, groups: list[Group]) -> Scores:
+    """Each completion's reward (run.scorer: 0 where the reward failed, counted) plus the overlong
+    penalty; the rollout queue keeps moving while the scorer's threads work."""
     config = run.config
-    texts = run.tokenizer.batch_decode([c.token_ids for g in groups for c in g.completions], skip_special_tokens=True)
+    completions = [c for g in groups for c in g.completions]
+    texts = run.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    problems = [g.problem for g in groups for _ in g.completions]
+    scores = run.scorer.score(problems, texts, keep_busy=run.pool.pump_once)
     buffer = config.learner.overlong_tokens(config.rollout.max_new_tokens)
-    errors, position = 0, 0
+    rewards = iter(scores.rewards)
     for group in groups:
-        group.rewards = []
-        for completion in group.completions:
-            text = texts[position]
-            position += 1
-            try:
-                reward = float(run.task.reward(group.problem, text))
-            except Exception as error:  # one bad sample must not end a week-long run
-                if errors == 0:
-                    print(f"[qerl] reward function failed on {text!r}: {type(error).__name__}: {error} (scored 0)")
-                errors += 1
-                reward = 0.0
-            penalty = overlong_penalty(len(completion.token_ids), config.rollout.max_new_tokens, buffer,
-                                       config.learner.overlong_penalty)
-            group.rewards.append(reward + penalty)
-    return errors
+        group.rewards = [next(rewards) + overlong_penalty(len(c.token_ids), config.rollout.max_new_tokens, buffer,
+                                                          config.learner.overlong_penalty)
+                         for c in group.completions]
+    return scores
 
 
 def training_samples(groups: list[Group], n: int, learner_version: int = 0) -> list[TrainSample]:

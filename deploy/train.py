@@ -39,15 +39,15 @@ from deploy.evaluate import EVAL_SEED_OFFSET, evaluate, format_eval_line
 from deploy.fleet_control import ControlChannel
 from deploy.ray_cluster import check_run_dir_for_job, connect_ray
 from deploy.rollouts import Rollouts, RolloutsAhead, collect, staleness_metrics, training_samples
-from learner.actor import LearnerActor, LearnerSpec
-from learner.model import check_model_folder
-from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error, root_cause
-from rollout_server.vllm_internals import serving_problem
+from deploy.run_builder import prepare_run, start_learner, start_pool
+from learner.model import resolve_model_path
+from rollout_server.pool import RolloutPool, gpu_memory_note, root_cause
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
 from shared.metrics import MetricsWriter, check_tensorboard, format_step_line, read_metrics, reward_trend_line
-from shared.process_output import actor_log_env
-from shared.tasks import Problem, Task, build_task
+from shared.prompts import PromptEncoder
+from shared.scoring import Scorer
+from shared.tasks import Problem, Task
 from shared.types import TrainSample
 
 # Settings a resumed run may change: how many steps, how often to save, evaluate and log, and
@@ -55,17 +55,6 @@ from shared.types import TrainSample
 RESUMABLE_OVERRIDES = ("train.steps", "train.eval_every", "train.tensorboard", "checkpoint.", "ray.",
                        "rollout.num_workers", "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker",
                        "learner.num_cpus", "learner.num_gpus")
-
-
-def resolve_model_path(config: QerlConfig, log=print) -> str:
-    if config.model.path is None:
-        from shared.tiny_model import tiny_model_path, tiny_model_report
-
-        path = tiny_model_path(log=log)
-        accuracy = tiny_model_report(path)["greedy_accuracy"]
-        log(f"[qerl] embedded tiny model {path.name}: starting greedy accuracy {accuracy:.0%}")
-        return str(path)
-    return str(check_model_folder(config.model.path).resolve())
 
 
 def run_identity(config: QerlConfig, model_path: str) -> dict:
@@ -76,12 +65,13 @@ def run_identity(config: QerlConfig, model_path: str) -> dict:
 
 @dataclass
 class Run:
-    """The live pieces of a training run: actors, task, tokenizer, output folder."""
+    """The live pieces of a training run: actors, task, prompt encoder, scorer, output folder."""
 
     config: QerlConfig
     run_dir: Path
     task: Task
-    tokenizer: object
+    prompts: PromptEncoder
+    scorer: Scorer
     learner: ray.actor.ActorHandle
     pool: RolloutPool
     started_ray: bool
@@ -89,7 +79,12 @@ class Run:
     control: ControlChannel
     eval_problems: list[Problem] = field(default_factory=list)
 
+    @property
+    def tokenizer(self):
+        return self.prompts.tokenizer
+
     def close(self) -> None:
+        self.scorer.close()
         self.control.close()
         self.pool.shutdown()
         ray.kill(self.learner)
@@ -106,42 +101,31 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
                         f"or continue it with qerl train --resume {run_dir}")
     if config.train.tensorboard:
         check_tensorboard()
-    task = build_task(config.task)
-    eval_problems = task.held_out(config.train.eval_problems) if config.train.eval_every else []
-    problem = serving_problem(config.policy.format, config.rollout)
-    if problem:  # before any engine starts
-        raise QerlError(problem)
-    model_path = resolve_model_path(config, log)
+    prepared = prepare_run(config, log)  # every check that needs no actor: before any engine starts
+    for warning in config.warnings():
+        log(f"[qerl] warning: {warning}")
+    eval_problems = prepared.task.held_out(config.train.eval_problems) if config.train.eval_every else []
     run_dir.mkdir(parents=True, exist_ok=True)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     started_ray = connect_ray(config, log)
     try:
-        spec = LearnerSpec(model_path, config.lora, config.learner_settings(), str(run_dir), config.policy,
-                           config.engine_dtype(), config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
-                           config.model.random_weights)
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
         if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)
             shutil.rmtree(log_dir, ignore_errors=True)
-        learner = ray.remote(LearnerActor).options(
-            num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus,
-            runtime_env={"env_vars": actor_log_env(log_dir, "learner")},
-        ).remote(spec)
-        info = ready_or_error(learner, "the learner")
+        learner, info = start_learner(config, prepared.model_path, str(run_dir), log_dir)
         # the new run's model has loaded: only now do the previous run's outputs go
         if config.train.overwrite and not resuming:
             _remove_run_outputs(run_dir)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
-        pool = RolloutPool(info["served"], config.engine_rollout(), config.lora.rank, log=log, log_dir=log_dir)
+        pool = start_pool(config, info, config.lora.rank, log, log_dir)
         control = ControlChannel(run_dir)
     except BaseException:
         if started_ray:
             ray.shutdown()
         raise
-    return Run(config, run_dir, task, tokenizer, learner, pool, started_ray, run_identity(config, model_path),
-               control, eval_problems)
+    scorer = Scorer(prepared.grade, config.task.reward_timeout_s, config.task.reward_threads, log)
+    return Run(config, run_dir, prepared.task, prepared.prompts, scorer, learner, pool, started_ray,
+               run_identity(config, prepared.model_path), control, eval_problems)
 
 
 def _remove_run_outputs(run_dir: Path) -> None:
@@ -178,7 +162,7 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
     checkpoint = latest_checkpoint(folder)
     files = read_checkpoint(checkpoint)  # verified before anything starts
     driver = json.loads(files["driver.json"])
-    identity = run_identity(config, resolve_model_path(config, log=lambda *_: None))
+    identity = run_identity(config, resolve_model_path(config.model.path, log=lambda *_: None))
     if driver["identity"] != identity:
         differs = ", ".join(k for k in identity if driver["identity"].get(k) != identity[k])
         raise QerlError(f"checkpoint {checkpoint} belongs to another run ({differs} differ from {saved_config})")
@@ -255,6 +239,8 @@ def step_record(step: int, rollouts: Rollouts, learner_stats: dict, sync_stats: 
         "rollout/tok_per_s": generated / max(rollouts.generation_s, 1e-9),
         "rollout/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "rollout/reward_errors": rollouts.reward_errors,
+        "rollout/reward_timeouts": rollouts.reward_timeouts,
+        **{f"reward/{name}": value for name, value in rollouts.reward_parts.items()},
         "rollout/generate_calls": rollouts.generate_calls,
         "rollout/groups_dropped": rollouts.groups_dropped,
         "rollout/groups_trained": len(rollouts.groups),
@@ -333,7 +319,7 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                         f"({bad_in_a_row} in a row)")
                 last = step + 1 == config.train.steps
                 if config.train.eval_every and ((step + 1) % config.train.eval_every == 0 or last):
-                    record |= evaluate(run.pool, run.tokenizer, run.task, run.eval_problems, config,
+                    record |= evaluate(run.pool, run.prompts, run.task, run.eval_problems, config,
                                        seed=config.train.seed + EVAL_SEED_OFFSET + step)
                     run.pool.discard_worker_stats()  # the fleet/worker* metrics count training rollouts
                 metrics.write(record)

@@ -37,6 +37,18 @@ def check_model_folder(path: str | Path) -> Path:
     return path
 
 
+def resolve_model_path(model_path: str | None, log=print) -> str:
+    """model.path checked as a model folder, or the embedded tiny model's folder (built once)."""
+    if model_path is None:
+        from shared.tiny_model import tiny_model_path, tiny_model_report
+
+        path = tiny_model_path(log=log)
+        accuracy = tiny_model_report(path)["greedy_accuracy"]
+        log(f"[qerl] embedded tiny model {path.name}: starting greedy accuracy {accuracy:.0%}")
+        return str(path)
+    return str(check_model_folder(model_path).resolve())
+
+
 def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_dtype=torch.float32):
     """The frozen base model; NF4 keeps norms and embeddings in `compute_dtype`."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig

@@ -320,6 +320,11 @@ class RolloutPool:
         self._dispatch()  # what is queued behind it starts now, not at the next call
         return batch.completions()
 
+    def pump_once(self) -> None:
+        """Hand out queued chunks and take in finished ones, without waiting: what the driver does
+        in its idle moments (e.g. while rewards are computed) so that no worker waits on it."""
+        self._pump(block=False)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, noise: Noise = NO_NOISE,
                  order: int = 0) -> list[Completion]:
         """Completions for every prompt, in prompt order, `samples_per_prompt` each."""

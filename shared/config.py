@@ -220,7 +220,9 @@ class LearnerConfig(_Strict):
     smaller card; auto limits plan within it. None: what the device has free."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
-    against the learner's logprobs before the first of them, so the clip bites from the second."""
+    against the learner's logprobs before the first of them, so the clip bites from the second:
+    at 1 the ratio is 1 and no clip acts, DAPO's clip-higher included (learner/clip_frac = 0;
+    train warns). DAPO's recipe takes several (e.g. 4)."""
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
 
@@ -254,6 +256,26 @@ class TaskConfig(_Strict):
     """Held-out JSONL file (same layout) for `qerl eval` and train.eval_every (jsonl task)."""
     prompt_template: str = "Question: {question}\nAnswer:"
     """How a problem becomes a prompt; {question} is the only field."""
+    chat_template: bool | Literal["auto"] = "auto"
+    """Send the prompt as a user message through the tokenizer's chat template (an instruct
+    model's format): true, false (the raw text), or "auto": when the tokenizer has one. The
+    embedded tiny model's template renders a lone user message as the raw text."""
+    system_prompt: str | None = None
+    """A system message before every prompt (needs a chat template)."""
+    grader: Literal["math", "exact"] = "math"
+    """How the jsonl task grades: "math" checks equivalence with HF math-verify (1/2 = 0.5 =
+    \\frac{1}{2}, x = 3, 1{,}000; bounded: shared/tasks/math_grader.py); "exact" compares the
+    extracted final answers (after ####, else the last \\boxed{}, else the last number) by value.
+    The addition task always grades exactly."""
+    reward: str | None = None
+    """A reward function "package.module:function" replacing the task's grade in training:
+    (prompt, completion, reference) -> float, or a dict of named floats that are summed (each
+    logged as reward/<name>). shared.rewards.format_and_correct is an example. Evaluation
+    still reports the task's own grade."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """A reward call taking longer scores its sample 0 and is counted in rollout/reward_errors."""
+    reward_threads: int = Field(4, ge=1, le=64)
+    """Threads scoring completions beside the driver, which keeps the rollout queue moving meanwhile."""
 
     @field_validator("prompt_template")
     @classmethod
@@ -262,6 +284,15 @@ class TaskConfig(_Strict):
             value.format(question="")
         except (KeyError, IndexError, ValueError) as error:
             raise ValueError(f"{value!r} may name only {{question}} (found {error})") from None
+        return value
+
+    @field_validator("reward")
+    @classmethod
+    def _loadable_reward(cls, value: str | None) -> str | None:
+        if value is not None:
+            from shared.rewards import load_reward_function
+
+            load_reward_function(value)  # a bad path or signature: ValueError, one line
         return value
 
 
@@ -337,6 +368,15 @@ class QerlConfig(_Strict):
 
     def engine_dtype(self) -> str:
         return self.rollout.engine_dtype(self.policy.format)
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but do not do what their names suggest."""
+        notes = []
+        if self.learner.algorithm == "dapo" and self.learner.mini_batches == 1:
+            notes.append("learner.algorithm dapo with learner.mini_batches 1: the importance ratio is 1 at the "
+                         "only optimizer step, so DAPO's clip-higher never acts (learner/clip_frac stays 0); "
+                         "set learner.mini_batches to 2 or more for it to")
+        return notes
 
     def learner_settings(self) -> LearnerConfig:
         """The learner's settings with "until the end of the run" resolved."""

@@ -26,8 +26,19 @@ import torch
 from shared.progress import progress
 from shared.tasks.addition import make_addition_problem
 
+# The tiny tokenizer's chat template: a system prompt on its own line, then the user's text as it
+# is, so a lone user message renders as the raw prompt (the warm start's format: task.chat_template
+# auto leaves the demo's prompts unchanged) while tests still go through apply_chat_template.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ message['content'] }}"
+    "{% else %}{{ message['content'] + '<eos>' }}{% endif %}"
+    "{% endfor %}"
+)
 RECIPE = {
     "version": 2,  # 2: the warm start never sees the held-out addition problems
+    "chat_template": CHAT_TEMPLATE,
     "vocab_size": 128,
     "hidden_size": 128,
     "intermediate_size": 384,
@@ -92,7 +103,7 @@ def build_tokenizer():
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+        tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", chat_template=CHAT_TEMPLATE
     )
 
 

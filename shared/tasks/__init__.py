@@ -36,4 +36,4 @@ def build_task(config: TaskConfig) -> Task:
     if config.name == "addition":
         return AdditionTask(digits=config.digits)
     assert config.path is not None  # the config validator guarantees it
-    return JsonlTask.from_file(config.path, config.prompt_template, config.eval_path)
+    return JsonlTask.from_file(config.path, config.prompt_template, config.eval_path, config.grader)

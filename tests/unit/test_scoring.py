@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 from deploy.rollouts import Group, informative, score, training_samples
 from shared.config import load_config
+from shared.scoring import Scorer
 from shared.tasks import Problem
 from shared.tasks.addition import AdditionTask
 from shared.tiny_model import build_tokenizer
@@ -32,14 +33,16 @@ def _group(tokenizer, problem: Problem, texts: list[str]) -> Group:
 
 def _run(task, overrides=()):
     config = load_config(None, ["rollout.max_new_tokens=4", *overrides])
-    return SimpleNamespace(config=config, tokenizer=build_tokenizer(), task=task)
+    # no fleet here: nothing for the scorer's wait to keep moving
+    return SimpleNamespace(config=config, tokenizer=build_tokenizer(), task=task, scorer=Scorer(task.reward),
+                           pool=SimpleNamespace(pump_once=lambda: None))
 
 
 def test_a_raising_reward_scores_zero_and_is_counted(capsys):
     run = _run(FlakyAddition())
     groups = [_group(run.tokenizer, Problem("1+2=", "3"), ["3", "9", "4", "3"]),
               _group(run.tokenizer, Problem("4+5=", "9"), ["9", "1"])]
-    assert score(run, groups) == 2
+    assert score(run, groups).errors == 2
     assert groups[0].rewards == [1.0, 0.0, 0.0, 1.0] and groups[1].rewards == [0.0, 0.0]
     assert "reward function failed" in capsys.readouterr().out
 
