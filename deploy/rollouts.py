@@ -10,6 +10,7 @@ which is the synchronous loop.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from random import Random
@@ -179,6 +180,8 @@ def score(run, groups: list[Group]) -> int:
             position += 1
             try:
                 reward = float(run.task.reward(group.problem, text))
+                if not math.isfinite(reward):  # NaN would poison the group's advantages and the loss
+                    raise ValueError(f"the reward is {reward}")
             except Exception as error:  # one bad sample must not end a week-long run
                 if errors == 0:
                     print(f"[qerl] reward function failed on {text!r}: {type(error).__name__}: {error} (scored 0)")

@@ -216,10 +216,10 @@ def _keep_metrics_before(path: Path, step: int) -> None:
 
 def learn(run: Run, step: int, samples: list[TrainSample]) -> dict[str, float]:
     """The learner's optimizer steps; the fleet keeps generating batches submitted ahead meanwhile."""
-    if not samples:  # dynamic sampling found no group with a reward spread
+    if not samples:  # dynamic sampling found no group with a reward spread: nothing to train
         version = run.pool.state.adapter_version
         return {"learner/skipped_steps": 0.0, "learner/tokens": 0.0, "learner/version": float(version),
-                "async/overlap": 0.0}
+                "learner/empty_step": 1.0, "async/overlap": 0.0}
     try:
         stats, overlap = run.pool.wait_for(run.learner.train_step.remote(samples, run.config.rollout.temperature))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:  # e.g. out of GPU memory
@@ -230,6 +230,10 @@ def learn(run: Run, step: int, samples: list[TrainSample]) -> dict[str, float]:
 def sync(run: Run, version: int) -> dict[str, float]:
     """The learner's new adapter into every worker, from memory. Synchronous: confirmed before
     the next step. With batches ahead: a worker loads it after the chunk it is generating."""
+    if version <= run.pool.state.adapter_version:
+        # the learner did not step (nothing to train, or a non-finite loss): the workers hold this
+        # adapter already, and version 0 (the untrained start) is no adapter vLLM can load
+        return {"sync/adapter_ms": 0.0, "sync/worker_load_ms_max": 0.0}
     started = time.perf_counter()
     synchronous = run.config.rollout.max_staleness == 0
     worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote(), version=version, wait=synchronous)
@@ -311,6 +315,7 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     ahead = RolloutsAhead(run, rng, start_step)
     record: dict = {}
     bad_in_a_row, step, sigma = 0, start_step, 0.0
+    empty_steps = _empty_steps_before(metrics.path)
     try:
         with StopOnSignal(log) as stop:
             for step in range(start_step, config.train.steps):
@@ -328,6 +333,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                 fleet = run.pool.fleet_metrics() | run.pool.worker_metrics(busy_window)
                 record = step_record(step, rollouts, learner_stats, sync_stats, fleet, step_s, ahead_by)
                 bad_in_a_row = bad_in_a_row + 1 if learner_stats["learner/skipped_steps"] else 0
+                if learner_stats.get("learner/empty_step"):
+                    empty_steps += 1
+                    log(f"[qerl] step {step}: no group with a reward spread after {rollouts.generate_calls} "
+                        f"generate call(s): nothing to train, learner step skipped ({empty_steps} so far)")
+                record["learner/empty_steps"] = empty_steps
                 if bad_in_a_row:
                     log(f"[qerl] step {step}: non-finite loss or gradients, optimizer step skipped "
                         f"({bad_in_a_row} in a row)")
@@ -360,6 +370,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     log(reward_trend_line(read_metrics(metrics.path)))
     log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
     return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}
+
+
+def _empty_steps_before(path: Path) -> int:
+    """Steps with nothing to train that a resumed run already logged (the count goes on)."""
+    return int(read_metrics(path)[-1].get("learner/empty_steps", 0)) if path.exists() and path.stat().st_size else 0
 
 
 def fleet_control(run: Run, step: int) -> None:

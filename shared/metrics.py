@@ -28,11 +28,13 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def format_step_line(record: dict) -> str:
+    # a step with nothing to train (dynamic sampling kept no group) has no learner metrics
+    learner = (f" | entropy {record['learner/entropy']:.3f} | kl(rollout||learner) {record['mismatch/kl']:.2e}"
+               if "learner/entropy" in record else " | nothing to train")
     return (
         f"step {record['step']:>4} | reward {record['rollout/reward_mean']:.3f}"
         f" | acc {record['rollout/accuracy']:.3f}"
-        f" | entropy {record['learner/entropy']:.3f}"
-        f" | kl(rollout||learner) {record['mismatch/kl']:.2e}"
+        f"{learner}"
         f" | sigma {record['aqn/sigma']:.1e}"
         f" | {record['rollout/tok_per_s']:,.0f} tok/s"
         f" | sync {record['sync/adapter_ms']:.1f} ms"
