@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,13 @@ from deploy.evaluate import EVAL_SEED_OFFSET, evaluate, format_eval_line
 from deploy.fleet_control import ControlChannel
 from deploy.ray_cluster import check_run_dir_for_job, connect_ray
 from deploy.rollouts import Rollouts, RolloutsAhead, collect, staleness_metrics, training_samples
+from deploy.run_folder import (
+    RunLock,
+    discard_previous_run,
+    make_run_dir,
+    move_previous_run_aside,
+    restore_previous_run,
+)
 from learner.actor import LearnerActor, LearnerSpec
 from learner.model import check_model_folder
 from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error, root_cause
@@ -112,7 +118,7 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     if problem:  # before any engine starts
         raise QerlError(problem)
     model_path = resolve_model_path(config, log)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -122,17 +128,15 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
                            config.engine_dtype(), config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
                            config.model.random_weights)
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
-        if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)
-            shutil.rmtree(log_dir, ignore_errors=True)
+        if config.train.overwrite and not resuming:  # kept aside until the new run's first checkpoint
+            move_previous_run_aside(run_dir)
         learner = ray.remote(LearnerActor).options(
             num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus,
             runtime_env={"env_vars": actor_log_env(log_dir, "learner")},
         ).remote(spec)
         info = ready_or_error(learner, "the learner")
-        # the new run's model has loaded: only now do the previous run's outputs go
-        if config.train.overwrite and not resuming:
-            _remove_run_outputs(run_dir)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+        if not resuming:  # a resumed run's, once its checkpoint has loaded
+            write_run_config(run_dir, config)
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
         pool = RolloutPool(info["served"], config.engine_rollout(), config.lora.rank, log=log, log_dir=log_dir)
         control = ControlChannel(run_dir)
@@ -144,21 +148,29 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
                control, eval_problems)
 
 
-def _remove_run_outputs(run_dir: Path) -> None:
-    """The previous run's metrics, checkpoints and final adapter (rollout_base/ is the new run's by now)."""
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+def write_run_config(run_dir: Path, config: QerlConfig) -> None:
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
 
 
 def train(config: QerlConfig, log=print) -> dict:
-    """Run the configured training; returns the last step's metrics plus the output paths."""
-    run = start_run(config, log)
+    """Run the configured training; returns the last step's metrics plus the output paths. The run
+    folder is locked for the driver's life; an overwritten run comes back if this one fails before
+    its first checkpoint."""
+    check_run_dir_for_job(config.train.run_dir)
+    run_dir = make_run_dir(Path(config.train.run_dir).resolve())
+    lock = RunLock(run_dir)
     try:
-        return train_loop(run, 0, Random(config.train.seed), log)
+        run = start_run(config, log)
+        try:
+            return train_loop(run, 0, Random(config.train.seed), log)
+        finally:
+            run.close()
+    except BaseException:
+        if config.train.overwrite and restore_previous_run(run_dir):
+            log(f"[qerl] the new run failed before its first checkpoint; the previous run in {run_dir} is restored")
+        raise
     finally:
-        run.close()
+        lock.release()
 
 
 def resume(run_dir: str, overrides: list[str], log=print) -> dict:
@@ -167,14 +179,23 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
     saved_config = folder / "config.yaml"
     if not saved_config.is_file():
         raise QerlError(f"{folder} holds no run to resume (no config.yaml)")
+    lock = RunLock(folder)
+    try:
+        return _resume_locked(folder, overrides, log)
+    finally:
+        lock.release()
+
+
+def _resume_locked(folder: Path, overrides: list[str], log) -> dict:
+    saved_config = folder / "config.yaml"
     for override in overrides:
         key = override.split("=", 1)[0].strip()
         if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed))
                    for allowed in RESUMABLE_OVERRIDES):
             raise QerlError(f"--resume: {key} would change the run's meaning; a resumed run may change only "
                             f"{', '.join(RESUMABLE_OVERRIDES)}")
-    config = load_config(saved_config, overrides)
-    config = config.model_copy(update={"train": config.train.model_copy(update={"run_dir": str(folder)})})
+    saved = load_config(saved_config, overrides)
+    config = saved.model_copy(update={"train": saved.train.model_copy(update={"run_dir": str(folder)})})
     checkpoint = latest_checkpoint(folder)
     files = read_checkpoint(checkpoint)  # verified before anything starts
     driver = json.loads(files["driver.json"])
@@ -193,6 +214,7 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
         except ray.exceptions.RayTaskError as error:
             raise QerlError(f"checkpoint {checkpoint} does not fit this model: {error.cause}") from None
         run.pool.update_adapter(run.learner.export_adapter.remote())
+        write_run_config(folder, saved)  # with the new overrides, now that the checkpoint has loaded
         _keep_metrics_before(folder / "metrics.jsonl", done)
         rng = Random()
         state = driver["sampler_state"]
@@ -281,7 +303,9 @@ def save_checkpoint(run: Run, steps: int, sampler_state: tuple, sigma: float) ->
     driver = {"steps_done": steps, "adapter_version": version, "sigma": sigma, "identity": run.identity,
               "sampler_state": [sampler_state[0], list(sampler_state[1]), sampler_state[2]]}
     files["driver.json"] = json.dumps(driver).encode()
-    return write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
+    folder = write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
+    discard_previous_run(run.run_dir)  # an overwritten run goes once this one can be resumed
+    return folder
 
 
 class StopOnSignal:

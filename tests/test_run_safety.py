@@ -6,15 +6,29 @@ decisions drive keep their own tests (test_resume, test_training)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
+from deploy.cli import main
 from deploy.rollouts import Group, score
+from deploy.run_folder import (
+    PREVIOUS_RUN,
+    RunLock,
+    discard_previous_run,
+    move_previous_run_aside,
+    restore_previous_run,
+)
 from deploy.train import sync
 from shared.config import load_config
 from shared.metrics import format_step_line
 from shared.tasks import Problem
 from shared.types import Completion
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -72,3 +86,66 @@ def test_a_nan_reward_scores_zero_and_is_counted():
     group = Group(Problem("1+1=", "2"), [5], completions)
     assert score(run, [group]) == 1
     assert group.rewards == [0.0, 1.0]
+
+
+def _hold_lock(run_dir) -> subprocess.Popen:
+    """Another driver: a process that takes the run folder's lock and keeps it."""
+    code = ("import sys, time; from deploy.run_folder import RunLock; RunLock(__import__('pathlib').Path(sys.argv[1]));"
+            " print('locked', flush=True); time.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_a_second_driver_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(Path("configs/tiny_cpu.yaml").read_text())
+    holder = _hold_lock(run_dir)
+    try:
+        overwrite = ["train", "--config", "configs/tiny_cpu.yaml", f"train.run_dir={run_dir}", "train.overwrite=true"]
+        for args in (["train", "--resume", str(run_dir)], overwrite):
+            assert main(args) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and f"in use by another qerl train (pid {holder.pid} on" in err[0], err
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(run_dir).release()  # the dead driver's lock is taken over
+
+
+def _fake_run(run_dir: Path, tag: str) -> None:
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-000001" / "manifest.json").write_text(tag)
+    (run_dir / "metrics.jsonl").write_text(tag)
+    (run_dir / "final_adapter").mkdir()
+    (run_dir / "config.yaml").write_text(tag)
+
+
+def test_an_overwrite_that_fails_before_its_first_checkpoint_restores_the_previous_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _fake_run(run_dir, "old")
+    move_previous_run_aside(run_dir)
+    assert not (run_dir / "metrics.jsonl").exists()
+    (run_dir / "metrics.jsonl").write_text("new")  # the new run's first steps, then it fails
+    (run_dir / "config.yaml").write_text("new")
+    assert restore_previous_run(run_dir)
+    assert (run_dir / "metrics.jsonl").read_text() == "old" and (run_dir / "config.yaml").read_text() == "old"
+    assert (run_dir / "checkpoints" / "step-000001" / "manifest.json").read_text() == "old"
+    assert not (run_dir / PREVIOUS_RUN).exists()
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_keeps_the_real_previous_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _fake_run(run_dir, "old")
+    move_previous_run_aside(run_dir)
+    (run_dir / "metrics.jsonl").write_text("killed attempt")  # SIGKILLed: nothing restored it
+    move_previous_run_aside(run_dir)  # the next overwrite
+    assert (run_dir / PREVIOUS_RUN / "metrics.jsonl").read_text() == "old"
+    assert not (run_dir / "metrics.jsonl").exists()
+    discard_previous_run(run_dir)  # its first checkpoint
+    assert not (run_dir / PREVIOUS_RUN).exists() and not restore_previous_run(run_dir)
+
