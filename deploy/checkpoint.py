@@ -114,5 +114,10 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return found[-1]
 
 
+def periodic_save_due(every: int, minutes: float, steps_done: int, seconds_since_save: float) -> bool:
+    """checkpoint.every steps or checkpoint.minutes of wall time since the last save, whichever first."""
+    return bool(every and steps_done % every == 0) or bool(minutes and seconds_since_save >= minutes * 60)
+
+
 def steps_done(folder: Path) -> int:
     return int(folder.name.removeprefix(_PREFIX))

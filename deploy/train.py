@@ -29,6 +29,7 @@ import yaml
 from deploy.checkpoint import (
     complete_checkpoints,
     latest_checkpoint,
+    periodic_save_due,
     read_checkpoint,
     remove_partial_checkpoints,
     steps_done,
@@ -340,6 +341,7 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     record: dict = {}
     bad_in_a_row, step, sigma = 0, start_step, 0.0
     empty_steps = _empty_steps_before(metrics.path)
+    last_save = time.monotonic()
     try:
         with StopOnSignal(log) as stop:
             for step in range(start_step, config.train.steps):
@@ -381,9 +383,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                     raise QerlError(f"non-finite loss or gradients in {bad_in_a_row} steps in a row (learner."
                                     f"max_bad_steps); stopped. Last good checkpoint: "
                                     f"{kept[-1] if kept else 'none'}")
-                every = config.checkpoint.every
-                if not bad_in_a_row and (last or stop.signal_name or (every and (step + 1) % every == 0)):
+                periodic = periodic_save_due(config.checkpoint.every, config.checkpoint.minutes, step + 1,
+                                             time.monotonic() - last_save)
+                if not bad_in_a_row and (last or stop.signal_name or periodic):
                     save_checkpoint(run, step + 1, ahead.sampler_state_after(step), sigma)
+                    last_save = time.monotonic()
                 if stop.signal_name and not last:
                     raise Stopped(stop.signal_name, step, run.run_dir)
         final_adapter = ray.get(run.learner.save_adapter.remote(str(run.run_dir / "final_adapter")))

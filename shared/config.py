@@ -282,7 +282,10 @@ class TrainConfig(_Strict):
 
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0)
-    """Save a checkpoint every this many steps (and at the end, and when stopped); 0: only then."""
+    """Save a checkpoint every this many steps (and at the end, and when stopped); 0: by time only."""
+    minutes: float = Field(10.0, ge=0)
+    """Also save one when this many minutes have passed since the last (so a SIGKILL loses at most
+    that much of a long run); 0 with every 0: only at the end and when stopped."""
     keep: int = Field(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints (the oldest go first)."""
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from deploy.checkpoint import periodic_save_due
 from deploy.cli import main
 from deploy.rollouts import Group, score
 from deploy.run_folder import (
@@ -149,3 +150,18 @@ def test_an_overwrite_killed_before_its_first_checkpoint_keeps_the_real_previous
     discard_previous_run(run_dir)  # its first checkpoint
     assert not (run_dir / PREVIOUS_RUN).exists() and not restore_previous_run(run_dir)
 
+
+def test_checkpoints_are_due_by_steps_or_by_minutes():
+    assert periodic_save_due(every=50, minutes=0, steps_done=100, seconds_since_save=1.0)
+    assert not periodic_save_due(every=50, minutes=0, steps_done=101, seconds_since_save=1e6)
+    assert periodic_save_due(every=0, minutes=10, steps_done=7, seconds_since_save=600.0)
+    assert not periodic_save_due(every=0, minutes=10, steps_done=7, seconds_since_save=599.0)
+    assert not periodic_save_due(every=0, minutes=0, steps_done=100, seconds_since_save=1e6)
+
+
+def test_every_shipped_config_checkpoints_periodically():
+    """A SIGKILL loses at most checkpoint.every steps or checkpoint.minutes, the demo's too."""
+    for path in sorted(ROOT.glob("configs/*.yaml")):
+        checkpoint = load_config(path).checkpoint
+        assert 0 < checkpoint.minutes <= 30 or checkpoint.every, path
+    assert load_config(ROOT / "configs/tiny_cpu.yaml").checkpoint.every == 50  # the demo's 500 steps: 10 saves
