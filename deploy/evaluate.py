@@ -116,6 +116,7 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
     adapter, evaluate, stop everything."""
     from transformers import AutoTokenizer
 
+    from deploy.adapter_fit import check_adapter_fits
     from deploy.ray_cluster import connect_ray
     from deploy.train import resolve_model_path
     from learner.actor import LearnerActor, LearnerSpec
@@ -130,6 +131,7 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
     problems = held_out_problems(config)
     task = build_task(config.task)
     model_path = resolve_model_path(config, log)
+    check_adapter_fits(adapter_folder, model_path)  # vLLM would score a misfit adapter without a word
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     started_ray = connect_ray(config, log)
     learner, pool = None, None
