@@ -28,9 +28,8 @@ import yaml
 
 from deploy.checkpoint import (
     complete_checkpoints,
-    latest_checkpoint,
+    newest_intact_checkpoint,
     periodic_save_due,
-    read_checkpoint,
     remove_partial_checkpoints,
     steps_done,
     write_checkpoint,
@@ -52,7 +51,14 @@ from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error, ro
 from rollout_server.vllm_internals import serving_problem
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
-from shared.metrics import MetricsWriter, check_tensorboard, format_step_line, read_metrics, reward_trend_line
+from shared.metrics import (
+    MetricsWriter,
+    check_tensorboard,
+    format_step_line,
+    read_metrics,
+    read_resumable_metrics,
+    reward_trend_line,
+)
 from shared.process_output import actor_log_env
 from shared.tasks import Problem, Task, build_task
 from shared.types import TrainSample
@@ -76,8 +82,10 @@ def resolve_model_path(config: QerlConfig, log=print) -> str:
 
 
 def run_identity(config: QerlConfig, model_path: str) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    return {"model": model_path, "policy": config.policy.format, "lora_rank": config.lora.rank,
+    """What a checkpoint must share with the run that resumes it. The embedded model is named by
+    what it is (its recipe's hash), not where QERL_CACHE_DIR put it."""
+    model = f"embedded {Path(model_path).name}" if config.model.path is None else model_path
+    return {"model": model, "policy": config.policy.format, "lora_rank": config.lora.rank,
             "lora_alpha": config.lora.alpha, "lora_targets": config.lora.target_modules}
 
 
@@ -197,16 +205,19 @@ def _resume_locked(folder: Path, overrides: list[str], log) -> dict:
                             f"{', '.join(RESUMABLE_OVERRIDES)}")
     saved = load_config(saved_config, overrides)
     config = saved.model_copy(update={"train": saved.train.model_copy(update={"run_dir": str(folder)})})
-    checkpoint = latest_checkpoint(folder)
-    files = read_checkpoint(checkpoint)  # verified before anything starts
+    checkpoint, files = newest_intact_checkpoint(folder, log)  # verified before anything starts
     driver = json.loads(files["driver.json"])
     identity = run_identity(config, resolve_model_path(config, log=lambda *_: None))
-    if driver["identity"] != identity:
+    if _saved_identity(driver["identity"], config) != identity:
         differs = ", ".join(k for k in identity if driver["identity"].get(k) != identity[k])
         raise QerlError(f"checkpoint {checkpoint} belongs to another run ({differs} differ from {saved_config})")
     done = steps_done(checkpoint)
     if done >= config.train.steps:
         raise QerlError(f"{folder} already ran its {config.train.steps} steps; raise train.steps to go on")
+    _, torn = read_resumable_metrics(folder / "metrics.jsonl")  # a bad line refused before engines start
+    if torn:
+        log(f"[qerl] note: the last line of {folder / 'metrics.jsonl'} is incomplete (an interrupted write); "
+            f"it is dropped")
     remove_partial_checkpoints(folder)
     run = start_run(config, log, resuming=True)
     try:
@@ -226,12 +237,21 @@ def _resume_locked(folder: Path, overrides: list[str], log) -> dict:
         run.close()
 
 
+def _saved_identity(saved: dict, config: QerlConfig) -> dict:
+    """A checkpoint's identity as run_identity writes it now (older ones held the embedded
+    model's absolute cache path)."""
+    model = saved.get("model")
+    if config.model.path is None and isinstance(model, str) and Path(model).name.startswith("tiny-qwen2-"):
+        return {**saved, "model": f"embedded {Path(model).name}"}
+    return saved
+
+
 def _keep_metrics_before(path: Path, step: int) -> None:
     """Drop the metrics lines of steps the checkpoint does not cover (a killed run may have
     logged a step after its last checkpoint); rewritten atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    kept = [json.dumps(record) for record in read_resumable_metrics(path)[0] if record["step"] < step]
     temporary = path.with_suffix(".tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     os.replace(temporary, path)

@@ -5,6 +5,7 @@ decisions drive keep their own tests (test_resume, test_training)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -13,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from deploy.checkpoint import periodic_save_due
+import pytest
+
+from deploy.checkpoint import newest_intact_checkpoint, periodic_save_due, write_checkpoint
 from deploy.cli import main
 from deploy.rollouts import Group, score
 from deploy.run_folder import (
@@ -23,9 +26,10 @@ from deploy.run_folder import (
     move_previous_run_aside,
     restore_previous_run,
 )
-from deploy.train import sync
+from deploy.train import _keep_metrics_before, sync
 from shared.config import load_config
-from shared.metrics import format_step_line
+from shared.errors import QerlError
+from shared.metrics import format_step_line, read_resumable_metrics
 from shared.tasks import Problem
 from shared.types import Completion
 
@@ -165,3 +169,76 @@ def test_every_shipped_config_checkpoints_periodically():
         checkpoint = load_config(path).checkpoint
         assert 0 < checkpoint.minutes <= 30 or checkpoint.every, path
     assert load_config(ROOT / "configs/tiny_cpu.yaml").checkpoint.every == 50  # the demo's 500 steps: 10 saves
+
+
+def _checkpoint(run_dir: Path, steps: int, config_path: Path) -> Path:
+    """A checkpoint as the driver writes it, with stand-in learner files (the resume checks below
+    refuse before any learner reads them)."""
+    from deploy.train import resolve_model_path, run_identity
+
+    config = load_config(config_path)
+    identity = run_identity(config, resolve_model_path(config, log=lambda *_: None))
+    driver = {"steps_done": steps, "adapter_version": steps, "sigma": 0.0, "identity": identity,
+              "sampler_state": [3, [0] * 625, None]}
+    files = {"driver.json": json.dumps(driver).encode(), "learner_state.safetensors": b"x",
+             "learner_state.json": b"{}", "adapter/adapter_config.json": b"{}"}
+    return write_checkpoint(run_dir, steps, files, keep=5)
+
+
+def _run_with_checkpoints(tmp_path: Path, steps: list[int]) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = Path("configs/tiny_cpu.yaml").read_text().replace("runs/tiny_cpu", str(run_dir))
+    (run_dir / "config.yaml").write_text(config)
+    for done in steps:
+        _checkpoint(run_dir, done, run_dir / "config.yaml")
+    return run_dir
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_intact_one(tiny_model, tmp_path):
+    run_dir = _run_with_checkpoints(tmp_path, [2, 4])
+    (run_dir / "checkpoints" / "step-000004" / "driver.json").write_text("{}")
+    notes = []
+    folder, files = newest_intact_checkpoint(run_dir, log=notes.append)
+    assert folder.name == "step-000002" and json.loads(files["driver.json"])["steps_done"] == 2
+    assert len(notes) == 1 and "step-000004 is corrupt: driver.json does not match its checksum" in notes[0]
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", '{"driver.json": 5}'])
+def test_a_manifest_that_is_no_file_table_is_a_one_line_error(tiny_model, tmp_path, capsys, manifest):
+    run_dir = _run_with_checkpoints(tmp_path, [2])
+    (run_dir / "checkpoints" / "step-000002" / "manifest.json").write_text(manifest)
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step-000002 is corrupt: manifest.json" in err[0], err
+
+
+def test_the_embedded_models_run_identity_does_not_hold_its_cache_path():
+    from deploy.train import _saved_identity, run_identity
+
+    config = load_config("configs/tiny_cpu.yaml")
+    here = run_identity(config, "/root/.cache/qerl/tiny-qwen2-8285b915af5b")
+    moved = run_identity(config, "/elsewhere/qerl/tiny-qwen2-8285b915af5b")
+    assert here == moved and "/" not in here["model"]
+    assert run_identity(config, "/elsewhere/qerl/tiny-qwen2-0000") != here  # another recipe, another model
+    older = {**here, "model": "/old/cache/tiny-qwen2-8285b915af5b"}  # a checkpoint written before this change
+    assert _saved_identity(older, config) == here
+
+
+def test_resume_drops_a_torn_last_metrics_line_and_refuses_a_bad_middle_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "a": 1.0}\n{"step": 1, "a": 2.0}\n{"step": 2, "a"')
+    assert read_resumable_metrics(path) == ([{"step": 0, "a": 1.0}, {"step": 1, "a": 2.0}], True)
+    _keep_metrics_before(path, 1)
+    assert path.read_text() == '{"step": 0, "a": 1.0}\n'
+    path.write_text('{"step": 0}\n{"step": 1, "a\n{"step": 2}\n')
+    with pytest.raises(QerlError, match=r"metrics.jsonl:2: not a metrics record"):
+        read_resumable_metrics(path)
+
+
+def test_resume_refuses_a_bad_metrics_line_before_any_engine_starts(tiny_model, tmp_path, capsys):
+    run_dir = _run_with_checkpoints(tmp_path, [2])
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "a\n{"step": 2}\n')
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl:2: not a metrics record" in err[0], err
