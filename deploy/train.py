@@ -46,7 +46,7 @@ from deploy.run_folder import (
     restore_previous_run,
 )
 from learner.actor import LearnerActor, LearnerSpec
-from learner.model import check_model_folder
+from learner.model import check_model_folder, context_length_problem
 from rollout_server.pool import RolloutPool, gpu_memory_note, ready_or_error, root_cause
 from rollout_server.vllm_internals import serving_problem
 from shared.config import QerlConfig, load_config
@@ -127,6 +127,9 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     if problem:  # before any engine starts
         raise QerlError(problem)
     model_path = resolve_model_path(config, log)
+    problem = context_length_problem(model_path, config.rollout.max_model_len)
+    if problem:  # before any engine starts
+        raise QerlError(problem)
     make_run_dir(run_dir)
     from transformers import AutoTokenizer
 

@@ -251,7 +251,7 @@ class TaskConfig(_Strict):
     def _only_the_question_field(cls, value: str) -> str:
         try:
             value.format(question="")
-        except (KeyError, IndexError, ValueError) as error:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as error:  # {question.x}, {question[0]}
             raise ValueError(f"{value!r} may name only {{question}} (found {error})") from None
         return value
 
