@@ -56,16 +56,36 @@ def _contents(run_dir: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != ".qerl-driver.lock"}
 
 
-def test_an_overwrite_whose_workers_cannot_start_keeps_the_previous_run(finished_run, tmp_path):
+# The CLI with the rollout workers failing to start (after the learner has loaded and the
+# previous run was moved aside): the failure the overwrite must survive, injected.
+WORKERS_FAIL = """
+import sys
+import deploy.train
+from shared.errors import QerlError
+def _no_workers(*args, **kwargs):
+    raise QerlError("rollout worker 0 failed to start (injected)")
+deploy.train.RolloutPool = _no_workers
+from deploy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_overwrite_that_fails_keeps_the_previous_run(finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     before = _contents(run_dir)
-    result = _qerl("train", "--config", "configs/tiny_cpu.yaml", *SMALL, "train.steps=2", f"train.run_dir={run_dir}",
-                   "train.overwrite=true", "rollout.max_model_len=4096")
-    assert result.returncode != 0
+    overwrite = ["train", "--config", "configs/tiny_cpu.yaml", *SMALL, "train.steps=2", f"train.run_dir={run_dir}",
+                 "train.overwrite=true"]
+    # the issue's case: a max_model_len the model cannot take is now refused before anything moves
+    result = _qerl(*overwrite, "rollout.max_model_len=4096")
+    assert result.returncode == 2 and "is more than the model's context" in result.stderr
+    assert _contents(run_dir) == before
+    # workers that fail once the learner has loaded
+    result = subprocess.run([sys.executable, "-c", WORKERS_FAIL, *overwrite], cwd=ROOT, capture_output=True,
+                            text=True, timeout=400, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 2 and "failed to start (injected)" in result.stderr, result.stderr[-2000:]
     assert "the previous run in" in result.stdout and "is restored" in result.stdout
-    after = {name: data for name, data in _contents(run_dir).items() if not name.startswith("logs/")}
-    assert after == {name: data for name, data in before.items() if not name.startswith("logs/")}
+    assert _contents(run_dir) == before
 
 
 def test_a_failed_resume_leaves_config_yaml_alone(finished_run, tmp_path):
