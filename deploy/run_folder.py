@@ -59,6 +59,23 @@ class RunLock:
             self._fd = None
 
 
+def driver_holds_lock(run_dir: Path) -> bool | None:
+    """Whether a live driver holds the run folder's lock (None: no lock file, an older run). Unlike
+    a pid, which the system may have given to another process since, it dies with its driver."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(descriptor)
+
+
 def move_previous_run_aside(run_dir: Path) -> None:
     """Before an overwrite: the previous run's outputs into .previous-run/. An earlier overwrite
     that never reached its first checkpoint left one there already: that one is the real previous

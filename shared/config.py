@@ -258,7 +258,8 @@ class TaskConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1, le=100_000)
+    """Prompts sampled per step (each becomes rollout.samples_per_prompt sequences)."""
     seed: int = 0
     run_dir: str = "runs/latest"
 
