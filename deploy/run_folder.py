@@ -59,6 +59,17 @@ class RunLock:
             self._fd = None
 
 
+def remove_if_only_lock(run_dir: Path) -> None:
+    """A run folder this driver created and that holds nothing but the lock (its run was refused
+    before writing anything): gone, as if never tried."""
+    try:
+        if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {LOCK_FILE}:
+            (run_dir / LOCK_FILE).unlink(missing_ok=True)
+            run_dir.rmdir()
+    except OSError:  # another driver got there in between: the folder is its now
+        pass
+
+
 def driver_holds_lock(run_dir: Path) -> bool | None:
     """Whether a live driver holds the run folder's lock (None: no lock file, an older run). Unlike
     a pid, which the system may have given to another process since, it dies with its driver."""

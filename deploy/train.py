@@ -43,6 +43,7 @@ from deploy.run_folder import (
     discard_previous_run,
     make_run_dir,
     move_previous_run_aside,
+    remove_if_only_lock,
     restore_previous_run,
 )
 from learner.actor import LearnerActor, LearnerSpec
@@ -169,8 +170,9 @@ def train(config: QerlConfig, log=print) -> dict:
     folder is locked for the driver's life; an overwritten run comes back if this one fails before
     its first checkpoint."""
     check_run_dir_for_job(config.train.run_dir)
-    run_dir = make_run_dir(Path(config.train.run_dir).resolve())
-    lock = RunLock(run_dir)
+    run_dir = Path(config.train.run_dir).resolve()
+    created = not run_dir.exists()
+    lock = RunLock(make_run_dir(run_dir))
     try:
         run = start_run(config, log)
         try:
@@ -183,6 +185,8 @@ def train(config: QerlConfig, log=print) -> dict:
         raise
     finally:
         lock.release()
+        if created:
+            remove_if_only_lock(run_dir)
 
 
 def resume(run_dir: str, overrides: list[str], log=print) -> dict:
