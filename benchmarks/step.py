@@ -93,7 +93,7 @@ def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run
         "rollout": config.rollout.model_copy(update=rollout),
         "learner": config.learner.model_copy(update=learner),
         "train": config.train.model_copy(update=train),
-        "checkpoint": config.checkpoint.model_copy(update={"every": 0}),
+        "checkpoint": config.checkpoint.model_copy(update={"every": 0, "minutes": 0}),
     })
 
 

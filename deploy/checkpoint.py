@@ -20,6 +20,7 @@ from shared.errors import QerlError
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 _PREFIX = "step-"
+REQUIRED = ("driver.json", "learner_state.safetensors", "learner_state.json")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -93,6 +94,11 @@ def read_checkpoint(folder: Path) -> dict[str, bytes]:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as error:
         raise QerlError(f"checkpoint {folder} is corrupt: cannot read {MANIFEST} ({error})") from None
+    if not isinstance(manifest, dict) or not all(isinstance(v, str) for v in manifest.values()):
+        raise QerlError(f"checkpoint {folder} is corrupt: {MANIFEST} is not a file -> SHA-256 table")
+    missing = [name for name in REQUIRED if name not in manifest]
+    if missing:
+        raise QerlError(f"checkpoint {folder} is corrupt: {MANIFEST} does not list {', '.join(missing)}")
     files = {}
     for name, digest in manifest.items():
         path = folder / name
@@ -112,6 +118,25 @@ def latest_checkpoint(run_dir: Path) -> Path:
     if not found:
         raise QerlError(f"{run_dir} has no checkpoint to resume from (looked in {checkpoint_root(run_dir)})")
     return found[-1]
+
+
+def periodic_save_due(every: int, minutes: float, steps_done: int, seconds_since_save: float) -> bool:
+    """checkpoint.every steps or checkpoint.minutes of wall time since the last save, whichever first."""
+    return bool(every and steps_done % every == 0) or bool(minutes and seconds_since_save >= minutes * 60)
+
+
+def newest_intact_checkpoint(run_dir: Path, log=print) -> tuple[Path, dict[str, bytes]]:
+    """The newest complete checkpoint whose files verify, and its files; a corrupt newer one is
+    passed over with a one-line note (the newest one's error when none is intact)."""
+    latest_checkpoint(run_dir)  # a one-line error when there is none
+    errors = []
+    for folder in reversed(complete_checkpoints(run_dir)):
+        try:
+            return folder, read_checkpoint(folder)
+        except QerlError as error:
+            errors.append(error)
+            log(f"[qerl] note: {error}; trying the one before")
+    raise errors[0]
 
 
 def steps_done(folder: Path) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -86,8 +87,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+class _StopOnSignal:
+    """SIGINT/SIGTERM from the first second on unwind like Ctrl-C, so every clean-up runs (the
+    training loop installs its own handler, which finishes the step first). While the heavy
+    modules import, a signal is only noted: an import cut in half leaves a module that a later
+    import trips over with a traceback."""
+
+    def __init__(self):
+        self.noted: str | None = None
+        self.imported = False
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, self._handle)
+
+    def _handle(self, number, frame) -> None:
+        self.noted = signal.Signals(number).name
+        if self.imported:
+            raise KeyboardInterrupt(self.noted)
+
+    def imports_done(self) -> None:
+        self.imported = True
+        if self.noted:
+            raise KeyboardInterrupt(self.noted)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop = _StopOnSignal() if args.command in ("train", "eval") else None
     try:
         if args.command == "report":  # no config: it reads the run folders only
             from deploy.report import report
@@ -110,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
             run_bench(args)
             return 0
         if args.command == "eval":
+            import deploy.train  # noqa: F401 - the heavy imports, before a signal may interrupt
+
+            stop.imports_done()
             return _evaluate(args)
         from deploy.train import Stopped, resume, train
+
+        stop.imports_done()
 
         try:
             if args.resume:
@@ -124,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     except QerlError as error:
         print(f"qerl: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        # a library may re-raise the interrupt without its argument
+        name = str(interrupt) if str(interrupt) in ("SIGINT", "SIGTERM") else (stop and stop.noted) or "SIGINT"
+        print(f"qerl: stopped by {name}", file=sys.stderr)
+        return 128 + signal.Signals[name].value
     return 0
 
 

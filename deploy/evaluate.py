@@ -117,6 +117,7 @@ def eval_config(run_dir: str | None, config_path: str | None, overrides: list[st
 def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, float]:
     """Start a learner (only to write the base the engines serve) and a pool, load the
     adapter, evaluate, stop everything."""
+    from deploy.adapter_fit import check_adapter_fits
     from deploy.ray_cluster import connect_ray
     from deploy.run_builder import prepare_run, start_learner, start_pool
     from shared.formats import dtype_of
@@ -124,6 +125,7 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
     prepared = prepare_run(config, log)
     update, rank = read_adapter_folder(adapter_folder, dtype_of(config.engine_dtype()))
     problems = held_out_problems(prepared.task, config)
+    check_adapter_fits(adapter_folder, prepared.model_path)  # vLLM would score a misfit adapter without a word
     started_ray = connect_ray(config, log)
     learner, pool = None, None
     try:

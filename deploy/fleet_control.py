@@ -19,7 +19,8 @@ from pathlib import Path
 
 import ray
 
-from deploy.ray_cluster import ActorNeed, connection_hint, unplaceable
+from deploy.ray_cluster import ActorNeed, check_reachable, connection_hint, unplaceable
+from deploy.run_folder import driver_holds_lock
 from shared.errors import QerlError
 
 NAMESPACE = "qerl"
@@ -85,7 +86,8 @@ def _running_training(run_dir: Path) -> dict:
         address, pid, host = info["ray_address"], int(info["pid"]), info["host"]
     except (ValueError, KeyError, TypeError) as error:
         raise QerlError(f"{path} is not a qerl control file ({error})") from None
-    if host == socket.gethostname() and not _process_alive(pid):
+    # the pid may belong to another process by now; the folder's lock dies with its driver
+    if host == socket.gethostname() and (not _process_alive(pid) or driver_holds_lock(run_dir) is False):
         raise QerlError(f"{run_dir}: no running training (its driver, pid {pid}, has ended; {CONTROL_FILE} is stale)")
     return {**info, "ray_address": address}
 
@@ -119,6 +121,7 @@ def scale(run_dir: str, workers: int, wait_s: float | None = None, log=print) ->
         raise QerlError(f"--workers must be at least 1, not {workers}")
     folder = Path(run_dir).resolve()
     info = _running_training(folder)
+    check_reachable(info["ray_address"])
     try:
         ray.init(address=info["ray_address"], namespace=info["namespace"], log_to_driver=False,
                  logging_level="ERROR")

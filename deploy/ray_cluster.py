@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,15 +91,22 @@ def connect_ray(config: QerlConfig, log=print) -> bool:
              "logging_level": logging.INFO if config.ray.log_to_driver else logging.ERROR}
     address = config.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
+        check_reachable(address)
         try:
-            ray.init(address=config.ray.address, **quiet)
+            with keep_signal_handlers():
+                ray.init(address=config.ray.address, **quiet)
         except ConnectionError as error:
             raise QerlError(connection_hint(address, error)) from None
         wait_s = config.ray.placement_timeout_s
     else:
         num_cpus = max(config.ray.num_cpus or os.cpu_count() or 1, cpus_needed(config))
         # the dashboard stays off; nothing of the local instance is meant to be reached from outside
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        try:
+            with keep_signal_handlers():
+                ray.init(num_cpus=num_cpus, include_dashboard=False, **quiet)
+        except BaseException:  # a signal mid-start: the half-started instance goes too
+            ray.shutdown()
+            raise
         wait_s = 0.0  # a local instance does not grow
     try:
         check_cluster_fits(config, wait_s, log)
@@ -104,6 +114,39 @@ def connect_ray(config: QerlConfig, log=print) -> bool:
         ray.shutdown()  # this call connected: leave nothing behind
         raise
     return not address
+
+
+REACH_TIMEOUT_S = 5.0
+
+
+def check_reachable(address: str, timeout_s: float = REACH_TIMEOUT_S) -> None:
+    """A host:port address whose port does not answer is a one-line error within `timeout_s`;
+    ray.init would retry it for minutes without a word (other forms are left to Ray)."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        why = error.strerror or f"no answer within {timeout_s:g} s"
+        raise QerlError(f"cannot reach the Ray cluster at {address} ({why}); check ray.address (the head's "
+                        f"host:port, 6379 by default) and that the head is running") from None
+
+
+class keep_signal_handlers:  # noqa: N801 - used as a `with` statement
+    """ray.init makes SIGTERM call sys.exit in the driver; the driver keeps its own handlers
+    (a signal during start-up is a clean stop with one line, see deploy/cli.py)."""
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        self.saved = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)} if main else {}
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        for number, handler in self.saved.items():
+            if handler is not None:
+                signal.signal(number, handler)
+        if self.saved and exc_type is SystemExit and exc.code == signal.SIGTERM:  # Ray's handler, mid-init
+            raise KeyboardInterrupt("SIGTERM") from None
 
 
 def connection_hint(address: str, error: BaseException) -> str:

@@ -87,7 +87,11 @@ def _plot(runs: list[RunCurves], out: Path) -> Path:
 
     if out.is_dir():
         raise QerlError(f"--out: {out} is a folder, not a PNG file")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # e.g. a file where a folder of the path should be
+        why = "a file is in the way" if isinstance(error, (FileExistsError, NotADirectoryError)) else error.strerror
+        raise QerlError(f"--out: cannot create the folder {out.parent} ({why})") from None
     fig, axes = plt.subplots(4, 2, figsize=(12, 13), dpi=100)
     try:
         colors = {run.label: f"C{index % 10}" for index, run in enumerate(runs)}  # one color per run in every panel
@@ -152,7 +156,8 @@ def summary_lines(runs: list[RunCurves]) -> list[str]:
     eval accuracy, median step time and rollout throughput (medians: robust to warm-up steps)."""
     lines = []
     for run in runs:
-        rewarded = [r for r in run.records if "rollout/reward_mean" in r]
+        rewarded = [r for r in run.records if isinstance(r.get("rollout/reward_mean"), (int, float))
+                    and not isinstance(r["rollout/reward_mean"], bool) and math.isfinite(r["rollout/reward_mean"])]
         if rewarded:
             window, first, last = reward_trend(rewarded)
             reward = f"reward first {window} steps {first:.3f} -> last {window} steps {last:.3f}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import ray
 
 from learner.actor import LearnerActor, LearnerSpec
-from learner.model import resolve_model_path
+from learner.model import context_length_problem, resolve_model_path
 from rollout_server.pool import RolloutPool, ready_or_error
 from rollout_server.vllm_internals import serving_problem
 from shared.config import LoraConfig, QerlConfig
@@ -47,6 +47,9 @@ def prepare_run(config: QerlConfig, log=print) -> Prepared:
     task = build_task(config.task)
     grade = training_grade(task, config.task)
     model_path = resolve_model_path(config.model.path, log)
+    problem = context_length_problem(model_path, config.rollout.max_model_len)
+    if problem:
+        raise QerlError(problem)
     return Prepared(task, model_path, load_prompt_encoder(model_path, config.task), grade)
 
 

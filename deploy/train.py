@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -29,8 +28,8 @@ import yaml
 
 from deploy.checkpoint import (
     complete_checkpoints,
-    latest_checkpoint,
-    read_checkpoint,
+    newest_intact_checkpoint,
+    periodic_save_due,
     remove_partial_checkpoints,
     steps_done,
     write_checkpoint,
@@ -40,11 +39,26 @@ from deploy.fleet_control import ControlChannel
 from deploy.ray_cluster import check_run_dir_for_job, connect_ray
 from deploy.rollouts import Rollouts, RolloutsAhead, collect, staleness_metrics, training_samples
 from deploy.run_builder import prepare_run, start_learner, start_pool
+from deploy.run_folder import (
+    RunLock,
+    discard_previous_run,
+    make_run_dir,
+    move_previous_run_aside,
+    remove_if_only_lock,
+    restore_previous_run,
+)
 from learner.model import resolve_model_path
 from rollout_server.pool import RolloutPool, gpu_memory_note, root_cause
 from shared.config import QerlConfig, load_config
 from shared.errors import QerlError
-from shared.metrics import MetricsWriter, check_tensorboard, format_step_line, read_metrics, reward_trend_line
+from shared.metrics import (
+    MetricsWriter,
+    check_tensorboard,
+    format_step_line,
+    read_metrics,
+    read_resumable_metrics,
+    reward_trend_line,
+)
 from shared.prompts import PromptEncoder
 from shared.scoring import Scorer
 from shared.tasks import Problem, Task
@@ -58,8 +72,10 @@ RESUMABLE_OVERRIDES = ("train.steps", "train.eval_every", "train.tensorboard", "
 
 
 def run_identity(config: QerlConfig, model_path: str) -> dict:
-    """What a checkpoint must share with the run that resumes it."""
-    return {"model": model_path, "policy": config.policy.format, "lora_rank": config.lora.rank,
+    """What a checkpoint must share with the run that resumes it. The embedded model is named by
+    what it is (its recipe's hash), not where QERL_CACHE_DIR put it."""
+    model = f"embedded {Path(model_path).name}" if config.model.path is None else model_path
+    return {"model": model, "policy": config.policy.format, "lora_rank": config.lora.rank,
             "lora_alpha": config.lora.alpha, "lora_targets": config.lora.target_modules}
 
 
@@ -105,17 +121,15 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
     for warning in config.warnings():
         log(f"[qerl] warning: {warning}")
     eval_problems = prepared.task.held_out(config.train.eval_problems) if config.train.eval_every else []
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     started_ray = connect_ray(config, log)
     try:
         log_dir = None if config.ray.log_to_driver else str(run_dir / "logs")
-        if log_dir and config.train.overwrite and not resuming:  # the replaced run's actor logs (appended to otherwise)
-            shutil.rmtree(log_dir, ignore_errors=True)
+        if config.train.overwrite and not resuming:  # kept aside until the new run's first checkpoint
+            move_previous_run_aside(run_dir)
         learner, info = start_learner(config, prepared.model_path, str(run_dir), log_dir)
-        # the new run's model has loaded: only now do the previous run's outputs go
-        if config.train.overwrite and not resuming:
-            _remove_run_outputs(run_dir)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+        if not resuming:  # a resumed run's, once its checkpoint has loaded
+            write_run_config(run_dir, config)
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
         pool = start_pool(config, info, config.lora.rank, log, log_dir)
         control = ControlChannel(run_dir)
@@ -128,21 +142,32 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
                run_identity(config, prepared.model_path), control, eval_problems)
 
 
-def _remove_run_outputs(run_dir: Path) -> None:
-    """The previous run's metrics, checkpoints and final adapter (rollout_base/ is the new run's by now)."""
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    shutil.rmtree(run_dir / "final_adapter", ignore_errors=True)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+def write_run_config(run_dir: Path, config: QerlConfig) -> None:
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
 
 
 def train(config: QerlConfig, log=print) -> dict:
-    """Run the configured training; returns the last step's metrics plus the output paths."""
-    run = start_run(config, log)
+    """Run the configured training; returns the last step's metrics plus the output paths. The run
+    folder is locked for the driver's life; an overwritten run comes back if this one fails before
+    its first checkpoint."""
+    check_run_dir_for_job(config.train.run_dir)
+    run_dir = Path(config.train.run_dir).resolve()
+    created = not run_dir.exists()
+    lock = RunLock(make_run_dir(run_dir))
     try:
-        return train_loop(run, 0, Random(config.train.seed), log)
+        run = start_run(config, log)
+        try:
+            return train_loop(run, 0, Random(config.train.seed), log)
+        finally:
+            run.close()
+    except BaseException:
+        if config.train.overwrite and restore_previous_run(run_dir):
+            log(f"[qerl] the new run failed before its first checkpoint; the previous run in {run_dir} is restored")
+        raise
     finally:
-        run.close()
+        lock.release()
+        if created:
+            remove_if_only_lock(run_dir)
 
 
 def resume(run_dir: str, overrides: list[str], log=print) -> dict:
@@ -151,24 +176,36 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
     saved_config = folder / "config.yaml"
     if not saved_config.is_file():
         raise QerlError(f"{folder} holds no run to resume (no config.yaml)")
+    lock = RunLock(folder)
+    try:
+        return _resume_locked(folder, overrides, log)
+    finally:
+        lock.release()
+
+
+def _resume_locked(folder: Path, overrides: list[str], log) -> dict:
+    saved_config = folder / "config.yaml"
     for override in overrides:
         key = override.split("=", 1)[0].strip()
         if not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed))
                    for allowed in RESUMABLE_OVERRIDES):
             raise QerlError(f"--resume: {key} would change the run's meaning; a resumed run may change only "
                             f"{', '.join(RESUMABLE_OVERRIDES)}")
-    config = load_config(saved_config, overrides)
-    config = config.model_copy(update={"train": config.train.model_copy(update={"run_dir": str(folder)})})
-    checkpoint = latest_checkpoint(folder)
-    files = read_checkpoint(checkpoint)  # verified before anything starts
+    saved = load_config(saved_config, overrides)
+    config = saved.model_copy(update={"train": saved.train.model_copy(update={"run_dir": str(folder)})})
+    checkpoint, files = newest_intact_checkpoint(folder, log)  # verified before anything starts
     driver = json.loads(files["driver.json"])
     identity = run_identity(config, resolve_model_path(config.model.path, log=lambda *_: None))
-    if driver["identity"] != identity:
+    if _saved_identity(driver["identity"], config) != identity:
         differs = ", ".join(k for k in identity if driver["identity"].get(k) != identity[k])
         raise QerlError(f"checkpoint {checkpoint} belongs to another run ({differs} differ from {saved_config})")
     done = steps_done(checkpoint)
     if done >= config.train.steps:
         raise QerlError(f"{folder} already ran its {config.train.steps} steps; raise train.steps to go on")
+    _, torn = read_resumable_metrics(folder / "metrics.jsonl")  # a bad line refused before engines start
+    if torn:
+        log(f"[qerl] note: the last line of {folder / 'metrics.jsonl'} is incomplete (an interrupted write); "
+            f"it is dropped")
     remove_partial_checkpoints(folder)
     run = start_run(config, log, resuming=True)
     try:
@@ -177,6 +214,7 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
         except ray.exceptions.RayTaskError as error:
             raise QerlError(f"checkpoint {checkpoint} does not fit this model: {error.cause}") from None
         run.pool.update_adapter(run.learner.export_adapter.remote())
+        write_run_config(folder, saved)  # with the new overrides, now that the checkpoint has loaded
         _keep_metrics_before(folder / "metrics.jsonl", done)
         rng = Random()
         state = driver["sampler_state"]
@@ -187,12 +225,21 @@ def resume(run_dir: str, overrides: list[str], log=print) -> dict:
         run.close()
 
 
+def _saved_identity(saved: dict, config: QerlConfig) -> dict:
+    """A checkpoint's identity as run_identity writes it now (older ones held the embedded
+    model's absolute cache path)."""
+    model = saved.get("model")
+    if config.model.path is None and isinstance(model, str) and Path(model).name.startswith("tiny-qwen2-"):
+        return {**saved, "model": f"embedded {Path(model).name}"}
+    return saved
+
+
 def _keep_metrics_before(path: Path, step: int) -> None:
     """Drop the metrics lines of steps the checkpoint does not cover (a killed run may have
     logged a step after its last checkpoint); rewritten atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+    kept = [json.dumps(record) for record in read_resumable_metrics(path)[0] if record["step"] < step]
     temporary = path.with_suffix(".tmp")
     temporary.write_text("".join(line + "\n" for line in kept))
     os.replace(temporary, path)
@@ -200,10 +247,10 @@ def _keep_metrics_before(path: Path, step: int) -> None:
 
 def learn(run: Run, step: int, samples: list[TrainSample]) -> dict[str, float]:
     """The learner's optimizer steps; the fleet keeps generating batches submitted ahead meanwhile."""
-    if not samples:  # dynamic sampling found no group with a reward spread
+    if not samples:  # dynamic sampling found no group with a reward spread: nothing to train
         version = run.pool.state.adapter_version
         return {"learner/skipped_steps": 0.0, "learner/tokens": 0.0, "learner/version": float(version),
-                "async/overlap": 0.0}
+                "learner/empty_step": 1.0, "async/overlap": 0.0}
     try:
         stats, overlap = run.pool.wait_for(run.learner.train_step.remote(samples, run.config.rollout.temperature))
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as error:  # e.g. out of GPU memory
@@ -214,6 +261,10 @@ def learn(run: Run, step: int, samples: list[TrainSample]) -> dict[str, float]:
 def sync(run: Run, version: int) -> dict[str, float]:
     """The learner's new adapter into every worker, from memory. Synchronous: confirmed before
     the next step. With batches ahead: a worker loads it after the chunk it is generating."""
+    if version <= run.pool.state.adapter_version:
+        # the learner did not step (nothing to train, or a non-finite loss): the workers hold this
+        # adapter already, and version 0 (the untrained start) is no adapter vLLM can load
+        return {"sync/adapter_ms": 0.0, "sync/worker_load_ms_max": 0.0}
     started = time.perf_counter()
     synchronous = run.config.rollout.max_staleness == 0
     worker_ms = run.pool.update_adapter(run.learner.export_adapter.remote(), version=version, wait=synchronous)
@@ -263,7 +314,9 @@ def save_checkpoint(run: Run, steps: int, sampler_state: tuple, sigma: float) ->
     driver = {"steps_done": steps, "adapter_version": version, "sigma": sigma, "identity": run.identity,
               "sampler_state": [sampler_state[0], list(sampler_state[1]), sampler_state[2]]}
     files["driver.json"] = json.dumps(driver).encode()
-    return write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
+    folder = write_checkpoint(run.run_dir, steps, files, run.config.checkpoint.keep)
+    discard_previous_run(run.run_dir)  # an overwritten run goes once this one can be resumed
+    return folder
 
 
 class StopOnSignal:
@@ -297,6 +350,8 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     ahead = RolloutsAhead(run, rng, start_step)
     record: dict = {}
     bad_in_a_row, step, sigma = 0, start_step, 0.0
+    empty_steps = _empty_steps_before(metrics.path)
+    last_save = time.monotonic()
     try:
         with StopOnSignal(log) as stop:
             for step in range(start_step, config.train.steps):
@@ -314,6 +369,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                 fleet = run.pool.fleet_metrics() | run.pool.worker_metrics(busy_window)
                 record = step_record(step, rollouts, learner_stats, sync_stats, fleet, step_s, ahead_by)
                 bad_in_a_row = bad_in_a_row + 1 if learner_stats["learner/skipped_steps"] else 0
+                if learner_stats.get("learner/empty_step"):
+                    empty_steps += 1
+                    log(f"[qerl] step {step}: no group with a reward spread after {rollouts.generate_calls} "
+                        f"generate call(s): nothing to train, learner step skipped ({empty_steps} so far)")
+                record["learner/empty_steps"] = empty_steps
                 if bad_in_a_row:
                     log(f"[qerl] step {step}: non-finite loss or gradients, optimizer step skipped "
                         f"({bad_in_a_row} in a row)")
@@ -333,9 +393,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
                     raise QerlError(f"non-finite loss or gradients in {bad_in_a_row} steps in a row (learner."
                                     f"max_bad_steps); stopped. Last good checkpoint: "
                                     f"{kept[-1] if kept else 'none'}")
-                every = config.checkpoint.every
-                if not bad_in_a_row and (last or stop.signal_name or (every and (step + 1) % every == 0)):
+                periodic = periodic_save_due(config.checkpoint.every, config.checkpoint.minutes, step + 1,
+                                             time.monotonic() - last_save)
+                if not bad_in_a_row and (last or stop.signal_name or periodic):
                     save_checkpoint(run, step + 1, ahead.sampler_state_after(step), sigma)
+                    last_save = time.monotonic()
                 if stop.signal_name and not last:
                     raise Stopped(stop.signal_name, step, run.run_dir)
         final_adapter = ray.get(run.learner.save_adapter.remote(str(run.run_dir / "final_adapter")))
@@ -346,6 +408,11 @@ def train_loop(run: Run, start_step: int, rng: Random, log=print) -> dict:
     log(reward_trend_line(read_metrics(metrics.path)))
     log(f"[qerl] metrics: {metrics.path}\n[qerl] final adapter (peft folder): {final_adapter}")
     return {**record, "run_dir": str(run.run_dir), "final_adapter": final_adapter}
+
+
+def _empty_steps_before(path: Path) -> int:
+    """Steps with nothing to train that a resumed run already logged (the count goes on)."""
+    return int(read_metrics(path)[-1].get("learner/empty_steps", 0)) if path.exists() and path.stat().st_size else 0
 
 
 def fleet_control(run: Run, step: int) -> None:

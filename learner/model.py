@@ -49,6 +49,20 @@ def resolve_model_path(model_path: str | None, log=print) -> str:
     return str(check_model_folder(model_path).resolve())
 
 
+def context_length_problem(path: str | Path, max_model_len: int) -> str | None:
+    """Why vLLM would refuse rollout.max_model_len for this model (its own error is a pydantic
+    ValidationError that does not say why), or None. Rope-scaled models are left to vLLM."""
+    fields = json.loads(read_utf8(Path(path) / "config.json"))
+    fields = fields.get("text_config", fields)
+    limit = fields.get("max_position_embeddings")
+    rope = fields.get("rope_scaling") or fields.get("rope_parameters") or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+    if isinstance(limit, int) and max_model_len > limit and not scaled:
+        return (f"rollout.max_model_len {max_model_len} is more than the model's context "
+                f"(max_position_embeddings {limit} in {Path(path) / 'config.json'}); lower it")
+    return None
+
+
 def load_base(path: str | Path, base_format: str, device: str = "cpu", compute_dtype=torch.float32):
     """The frozen base model; NF4 keeps norms and embeddings in `compute_dtype`."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig

@@ -282,7 +282,7 @@ class TaskConfig(_Strict):
     def _only_the_question_field(cls, value: str) -> str:
         try:
             value.format(question="")
-        except (KeyError, IndexError, ValueError) as error:
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError) as error:  # {question.x}, {question[0]}
             raise ValueError(f"{value!r} may name only {{question}} (found {error})") from None
         return value
 
@@ -298,7 +298,8 @@ class TaskConfig(_Strict):
 
 class TrainConfig(_Strict):
     steps: int = Field(60, ge=1)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(16, ge=1, le=100_000)
+    """Prompts sampled per step (each becomes rollout.samples_per_prompt sequences)."""
     seed: int = 0
     run_dir: str = "runs/latest"
 
@@ -322,7 +323,10 @@ class TrainConfig(_Strict):
 
 class CheckpointConfig(_Strict):
     every: int = Field(0, ge=0)
-    """Save a checkpoint every this many steps (and at the end, and when stopped); 0: only then."""
+    """Save a checkpoint every this many steps (and at the end, and when stopped); 0: by time only."""
+    minutes: float = Field(10.0, ge=0)
+    """Also save one when this many minutes have passed since the last (so a SIGKILL loses at most
+    that much of a long run); 0 with every 0: only at the end and when stopped."""
     keep: int = Field(2, ge=1)
     """Checkpoints kept in run_dir/checkpoints (the oldest go first)."""
 

@@ -27,12 +27,34 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def read_resumable_metrics(path: Path) -> tuple[list[dict], bool]:
+    """A run's metrics records for --resume, and whether the last line was torn (an interrupted
+    write: dropped). Any other line that is not a metrics record is a one-line error."""
+    if not path.exists():
+        return [], False
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a metrics record")
+        except ValueError as error:
+            if number == len(lines):
+                return records, True
+            raise QerlError(f"{path}:{number}: not a metrics record ({error}); fix or remove that line") from None
+        records.append(record)
+    return records, False
+
+
 def format_step_line(record: dict) -> str:
+    # a step with nothing to train (dynamic sampling kept no group) has no learner metrics
+    learner = (f" | entropy {record['learner/entropy']:.3f} | kl(rollout||learner) {record['mismatch/kl']:.2e}"
+               if "learner/entropy" in record else " | nothing to train")
     return (
         f"step {record['step']:>4} | reward {record['rollout/reward_mean']:.3f}"
         f" | acc {record['rollout/accuracy']:.3f}"
-        f" | entropy {record['learner/entropy']:.3f}"
-        f" | kl(rollout||learner) {record['mismatch/kl']:.2e}"
+        f"{learner}"
         f" | sigma {record['aqn/sigma']:.1e}"
         f" | {record['rollout/tok_per_s']:,.0f} tok/s"
         f" | sync {record['sync/adapter_ms']:.1f} ms"

@@ -110,6 +110,10 @@ def _parse_line(path: Path, number: int, line: str, prompt_template: str, grader
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise QerlError(f"{where}: not valid JSON ({error.msg})") from None
+    except ValueError as error:  # e.g. an integer of more than 4300 digits
+        raise QerlError(f"{where}: not usable JSON ({error})") from None
+    except RecursionError:
+        raise QerlError(f"{where}: not usable JSON (nested too deep)") from None
     if not isinstance(record, dict):
         raise QerlError(f"{where}: expected an object with 'question' and 'answer'")
     for key in ("question", "answer"):

@@ -256,10 +256,12 @@ def test_resume_bad_input_is_one_line_and_deletes_nothing(straight_run, tmp_path
     assert "learner.lr would change the run's meaning" in _resume_error(straight_run, "learner.lr=0.1")
     # the run already did its steps
     assert "already ran its 6 steps" in _resume_error(straight_run)
-    # a corrupt checkpoint file: named, and nothing is deleted or rewritten
+    # a corrupt checkpoint file in every checkpoint (a corrupt newest alone falls back to the one
+    # before): named, and nothing is deleted or rewritten
     corrupt = _copy_run(straight_run, tmp_path / "corrupt")
-    state = complete_checkpoints(corrupt)[-1] / "learner_state.safetensors"
-    state.write_bytes(state.read_bytes()[:-7] + b"garbage")
+    for checkpoint in complete_checkpoints(corrupt):
+        state = checkpoint / "learner_state.safetensors"
+        state.write_bytes(state.read_bytes()[:-7] + b"garbage")
     before = _listing(corrupt)
     error = _resume_error(corrupt, "train.steps=9")
     assert "is corrupt: learner_state.safetensors does not match its checksum" in error
