@@ -122,8 +122,8 @@ def run_eval(config: QerlConfig, adapter_folder: Path, log=print) -> dict[str, f
     from deploy.run_builder import prepare_run, start_learner, start_pool
     from shared.formats import dtype_of
 
+    update, rank = read_adapter_folder(adapter_folder, dtype_of(config.engine_dtype()))  # bad input first
     prepared = prepare_run(config, log)
-    update, rank = read_adapter_folder(adapter_folder, dtype_of(config.engine_dtype()))
     problems = held_out_problems(prepared.task, config)
     check_adapter_fits(adapter_folder, prepared.model_path)  # vLLM would score a misfit adapter without a word
     started_ray = connect_ray(config, log)

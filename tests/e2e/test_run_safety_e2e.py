@@ -18,7 +18,7 @@ from deploy.checkpoint import complete_checkpoints
 from shared.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.num_workers=1", "rollout.samples_per_prompt=2", "train.prompts_per_step=2",
          "train.eval_every=0", "lora.rank=8", "lora.alpha=16"]
 

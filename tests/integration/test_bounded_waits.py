@@ -16,7 +16,7 @@ import pytest
 
 from deploy.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one_line_error(capsys, args: list[str], expected: str) -> float:

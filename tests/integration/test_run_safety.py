@@ -33,7 +33,7 @@ from shared.metrics import format_step_line, read_resumable_metrics
 from shared.tasks import Problem
 from shared.types import Completion
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
