@@ -159,7 +159,7 @@ for stage in ${*:-tests rollout sync learner train}; do
     rebuild-tests)
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
-      run rebuild_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_packed_rebuild_gpu.py ;;
+      run rebuild_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_packed_rebuild_gpu.py ;;
     step-7b)
       run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --json "$out/step_7b.json" ;;
