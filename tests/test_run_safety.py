@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from deploy.checkpoint import newest_intact_checkpoint, periodic_save_due, write
 from deploy.cli import main
 from deploy.rollouts import Group, score
 from deploy.run_folder import (
+    LOCK_FILE,
     PREVIOUS_RUN,
     RunLock,
     discard_previous_run,
@@ -117,7 +119,9 @@ def test_a_second_driver_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path,
     finally:
         holder.kill()
         holder.wait()
+    assert (run_dir / LOCK_FILE).read_text() == f"pid {holder.pid} on {socket.gethostname()}\n"  # SIGKILL left it
     RunLock(run_dir).release()  # the dead driver's lock is taken over
+    assert not (run_dir / LOCK_FILE).exists()  # and a driver that ends cleanly leaves no trace
 
 
 def _fake_run(run_dir: Path, tag: str) -> None:
