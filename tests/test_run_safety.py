@@ -246,3 +246,14 @@ def test_resume_refuses_a_bad_metrics_line_before_any_engine_starts(tiny_model, 
     assert main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "metrics.jsonl:2: not a metrics record" in err[0], err
+
+
+def test_resume_of_an_overwrite_killed_before_its_first_checkpoint_points_to_the_previous_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _fake_run(run_dir, "old")
+    move_previous_run_aside(run_dir)  # then SIGKILLed: nothing restored it
+    (run_dir / "config.yaml").write_text(Path("configs/tiny_cpu.yaml").read_text())
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the run it overwrote is in {run_dir / PREVIOUS_RUN}" in err[0], err
