@@ -108,11 +108,12 @@ def move_previous_run_aside(run_dir: Path) -> None:
     run, and what lies in the folder now is the failed attempt's."""
     aside = run_dir / PREVIOUS_RUN
     keep_existing = aside.is_dir()
+    present = [name for name in RUN_OUTPUTS if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    if not present:  # nothing to keep: a failure of this run leaves its own logs alone
+        return
     aside.mkdir(exist_ok=True)
-    for name in RUN_OUTPUTS:
+    for name in present:
         path = run_dir / name
-        if not (path.exists() or path.is_symlink()):
-            continue
         if keep_existing:
             _remove(path)
         else:

@@ -146,6 +146,12 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_restores_the_previo
     assert not (run_dir / PREVIOUS_RUN).exists()
 
 
+def test_an_overwrite_of_an_empty_folder_keeps_the_failed_runs_own_outputs(tmp_path):
+    move_previous_run_aside(tmp_path)
+    (tmp_path / "logs").mkdir()  # the failed run's actor logs: what tells the user why
+    assert not restore_previous_run(tmp_path) and (tmp_path / "logs").is_dir()
+
+
 def test_an_overwrite_killed_before_its_first_checkpoint_keeps_the_real_previous_run(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
