@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from deploy.run_folder import PREVIOUS_RUN
 from shared.errors import QerlError
 
 CHECKPOINTS = "checkpoints"
@@ -116,7 +117,9 @@ def latest_checkpoint(run_dir: Path) -> Path:
     """The newest complete checkpoint of a run; a one-line error when there is none."""
     found = complete_checkpoints(run_dir)
     if not found:
-        raise QerlError(f"{run_dir} has no checkpoint to resume from (looked in {checkpoint_root(run_dir)})")
+        aside = Path(run_dir) / PREVIOUS_RUN  # an overwrite killed before its first checkpoint
+        hint = f"; the run it overwrote is in {aside} (move its files back to resume that)" if aside.is_dir() else ""
+        raise QerlError(f"{run_dir} has no checkpoint to resume from (looked in {checkpoint_root(run_dir)}){hint}")
     return found[-1]
 
 

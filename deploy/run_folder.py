@@ -2,8 +2,9 @@
 until the new one has proved itself.
 
 The lock is `RUN_DIR/.qerl-driver.lock`, held with flock by the driver for its whole life (train
-or --resume): the kernel drops it when the process ends, however it ends, so a lock left by a
-dead driver is simply taken over; the file names the holder's pid for the refusal's message.
+or --resume) and removed when it ends: the kernel drops the flock when the process ends, however
+it ends, so a lock file left by a killed driver is simply taken over; the file names the
+holder's pid for the refusal's message.
 
 `train.overwrite=true` moves the previous run's outputs into `RUN_DIR/.previous-run/`; they are
 deleted once the new run has written its first checkpoint, and moved back if it fails before.
@@ -42,29 +43,43 @@ class RunLock:
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_FILE
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
-            self.release()
-            raise QerlError(f"{run_dir} is in use by another qerl train ({holder}); wait for it to end or "
-                            f"stop it, or pick another train.run_dir") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        while True:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(descriptor, 200, 0).decode(errors="replace").strip() or "unknown pid"
+                os.close(descriptor)
+                raise QerlError(f"{run_dir} is in use by another qerl train ({holder}); wait for it to end or "
+                                f"stop it, or pick another train.run_dir") from None
+            if _same_file(descriptor, self.path):
+                break
+            os.close(descriptor)  # a driver that just ended removed that file: lock the new one
+        self._fd: int | None = descriptor
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
 
     def release(self) -> None:
+        """The file goes while still locked (a run folder holds no trace of a driver that ended
+        cleanly); closing drops the lock."""
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
             self._fd = None
 
 
-def remove_if_only_lock(run_dir: Path) -> None:
-    """A run folder this driver created and that holds nothing but the lock (its run was refused
-    before writing anything): gone, as if never tried."""
+def _same_file(descriptor: int, path: Path) -> bool:
     try:
-        if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {LOCK_FILE}:
-            (run_dir / LOCK_FILE).unlink(missing_ok=True)
+        return os.stat(path).st_ino == os.fstat(descriptor).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """A run folder this driver created and left empty (its run was refused before writing
+    anything): gone, as if never tried."""
+    try:
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()
     except OSError:  # another driver got there in between: the folder is its now
         pass
@@ -93,11 +108,12 @@ def move_previous_run_aside(run_dir: Path) -> None:
     run, and what lies in the folder now is the failed attempt's."""
     aside = run_dir / PREVIOUS_RUN
     keep_existing = aside.is_dir()
+    present = [name for name in RUN_OUTPUTS if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    if not present:  # nothing to keep: a failure of this run leaves its own logs alone
+        return
     aside.mkdir(exist_ok=True)
-    for name in RUN_OUTPUTS:
+    for name in present:
         path = run_dir / name
-        if not (path.exists() or path.is_symlink()):
-            continue
         if keep_existing:
             _remove(path)
         else:

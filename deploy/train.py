@@ -44,7 +44,7 @@ from deploy.run_folder import (
     discard_previous_run,
     make_run_dir,
     move_previous_run_aside,
-    remove_if_only_lock,
+    remove_if_empty,
     restore_previous_run,
 )
 from learner.model import resolve_model_path
@@ -167,7 +167,7 @@ def train(config: QerlConfig, log=print) -> dict:
     finally:
         lock.release()
         if created:
-            remove_if_only_lock(run_dir)
+            remove_if_empty(run_dir)
 
 
 def resume(run_dir: str, overrides: list[str], log=print) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from deploy.checkpoint import newest_intact_checkpoint, periodic_save_due, write
 from deploy.cli import main
 from deploy.rollouts import Group, score
 from deploy.run_folder import (
+    LOCK_FILE,
     PREVIOUS_RUN,
     RunLock,
     discard_previous_run,
@@ -117,7 +119,9 @@ def test_a_second_driver_is_refused_and_a_dead_ones_lock_is_taken_over(tmp_path,
     finally:
         holder.kill()
         holder.wait()
+    assert (run_dir / LOCK_FILE).read_text() == f"pid {holder.pid} on {socket.gethostname()}\n"  # SIGKILL left it
     RunLock(run_dir).release()  # the dead driver's lock is taken over
+    assert not (run_dir / LOCK_FILE).exists()  # and a driver that ends cleanly leaves no trace
 
 
 def _fake_run(run_dir: Path, tag: str) -> None:
@@ -140,6 +144,12 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_restores_the_previo
     assert (run_dir / "metrics.jsonl").read_text() == "old" and (run_dir / "config.yaml").read_text() == "old"
     assert (run_dir / "checkpoints" / "step-000001" / "manifest.json").read_text() == "old"
     assert not (run_dir / PREVIOUS_RUN).exists()
+
+
+def test_an_overwrite_of_an_empty_folder_keeps_the_failed_runs_own_outputs(tmp_path):
+    move_previous_run_aside(tmp_path)
+    (tmp_path / "logs").mkdir()  # the failed run's actor logs: what tells the user why
+    assert not restore_previous_run(tmp_path) and (tmp_path / "logs").is_dir()
 
 
 def test_an_overwrite_killed_before_its_first_checkpoint_keeps_the_real_previous_run(tmp_path):
@@ -242,3 +252,14 @@ def test_resume_refuses_a_bad_metrics_line_before_any_engine_starts(tiny_model, 
     assert main(["train", "--resume", str(run_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "metrics.jsonl:2: not a metrics record" in err[0], err
+
+
+def test_resume_of_an_overwrite_killed_before_its_first_checkpoint_points_to_the_previous_run(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    _fake_run(run_dir, "old")
+    move_previous_run_aside(run_dir)  # then SIGKILLed: nothing restored it
+    (run_dir / "config.yaml").write_text(Path("configs/tiny_cpu.yaml").read_text())
+    assert main(["train", "--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the run it overwrote is in {run_dir / PREVIOUS_RUN}" in err[0], err
