@@ -64,7 +64,7 @@ import deploy.train
 from shared.errors import QerlError
 def _no_workers(*args, **kwargs):
     raise QerlError("rollout worker 0 failed to start (injected)")
-deploy.train.RolloutPool = _no_workers
+deploy.train.start_pool = _no_workers  # the run builder's pool, as train.py calls it
 from deploy.cli import main
 sys.exit(main(sys.argv[1:]))
 """
