@@ -26,7 +26,7 @@ demo: setup
 
 # Lint first (ruff: errors and import order). pytest exits 5 when it collects nothing: for this
 # suite that means something is broken.
-PYTEST = $(BIN)/python -m pytest -q -rs $(1); status=$$?; \
+PYTEST = $(BIN)/python -m pytest -q -rs --durations=25 $(1); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "make $@: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$status
 

@@ -29,11 +29,18 @@ def _one_line_error(capsys, args: list[str], expected: str) -> float:
     return seconds
 
 
-def test_a_wrong_ray_address_is_refused_within_seconds(tiny_model, tmp_path, capsys):
-    seconds = _one_line_error(capsys, ["train", "--config", "configs/tiny_cpu.yaml", "ray.address=127.0.0.1:1",
-                                       f"train.run_dir={tmp_path / 'run'}"],
-                              "cannot reach the Ray cluster at 127.0.0.1:1 (Connection refused)")
-    assert seconds < 30
+def test_a_wrong_ray_address_is_refused_within_seconds(tiny_model, tmp_path):
+    # its own process: in this one a session fixture's Ray instance may already be up, and a run
+    # started inside a caller's instance uses that one
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "deploy.cli", "train", "--config", "configs/tiny_cpu.yaml",
+                             "ray.address=127.0.0.1:1", f"train.run_dir={tmp_path / 'run'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - started
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1 and err[0].startswith("qerl: error: "), err
+    assert "cannot reach the Ray cluster at 127.0.0.1:1 (Connection refused)" in err[0], err[0]
+    assert seconds < 60  # imports included; Ray's own retries took minutes
 
 
 def test_an_absurd_prompts_per_step_is_refused_by_the_config(capsys):

@@ -24,6 +24,8 @@ from rollout_server.dispatch import Noise
 from rollout_server.pool import RolloutPool
 from shared.config import RolloutConfig, load_config
 from shared.errors import QerlError
+from shared.prompts import prompt_encoder
+from shared.scoring import Scorer, training_grade
 from shared.tasks import build_task
 from shared.tiny_model import build_tokenizer
 from shared.types import AdapterUpdate, SamplingSettings, ServedBase
@@ -159,7 +161,10 @@ def _train(ahead_by: int, max_staleness: int) -> list:
                                 "rollout.num_workers=2", "rollout.num_cpus_per_worker=0.25",
                                 f"rollout.max_staleness={max_staleness}"])
     pool = RolloutPool(SERVED, config.rollout, 8, log=print, worker_class=StandInWorker)
-    run = SimpleNamespace(config=config, pool=pool, task=build_task(config.task), tokenizer=build_tokenizer())
+    task = build_task(config.task)
+    scorer = Scorer(training_grade(task, config.task), config.task.reward_timeout_s, 1)
+    run = SimpleNamespace(config=config, pool=pool, task=task, scorer=scorer,
+                          prompts=prompt_encoder(build_tokenizer(), config.task), tokenizer=build_tokenizer())
     ahead, steps = RolloutsAhead(run, Random(0), 0), []
     try:
         for step in range(config.train.steps):
@@ -169,6 +174,7 @@ def _train(ahead_by: int, max_staleness: int) -> list:
             pool.wait_for(learner_step.remote(0.3))
             pool.update_adapter(_adapter(step + 1), version=step + 1, wait=max_staleness == 0)
     finally:
+        scorer.close()
         pool.shutdown()
     return steps
 

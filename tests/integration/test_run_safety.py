@@ -32,6 +32,7 @@ from deploy.train import _keep_metrics_before, sync
 from shared.config import load_config
 from shared.errors import QerlError
 from shared.metrics import format_step_line, read_resumable_metrics
+from shared.scoring import Scorer
 from shared.tasks import Problem
 from shared.types import Completion
 
@@ -88,10 +89,15 @@ def test_a_nan_reward_scores_zero_and_is_counted():
         return ["nan" if i == [1] else "ok" for i in ids]
 
     tokenizer = SimpleNamespace(batch_decode=decode)
-    run = SimpleNamespace(config=load_config("configs/tiny_cpu.yaml"), tokenizer=tokenizer, task=NanTask())
+    scorer = Scorer(NanTask().reward, threads=1)
+    run = SimpleNamespace(config=load_config("configs/tiny_cpu.yaml"), tokenizer=tokenizer, scorer=scorer,
+                          pool=SimpleNamespace(pump_once=lambda: None))
     completions = [Completion(0, [token], [0.0], "stop", 1, 0.0, 0) for token in (1, 2)]
     group = Group(Problem("1+1=", "2"), [5], completions)
-    assert score(run, [group]) == 1
+    try:
+        assert score(run, [group]).errors == 1
+    finally:
+        scorer.close()
     assert group.rewards == [0.0, 1.0]
 
 
@@ -187,7 +193,7 @@ def _checkpoint(run_dir: Path, steps: int, config_path: Path) -> Path:
     from deploy.train import resolve_model_path, run_identity
 
     config = load_config(config_path)
-    identity = run_identity(config, resolve_model_path(config, log=lambda *_: None))
+    identity = run_identity(config, resolve_model_path(config.model.path, log=lambda *_: None))
     driver = {"steps_done": steps, "adapter_version": steps, "sigma": 0.0, "identity": identity,
               "sampler_state": [3, [0] * 625, None]}
     files = {"driver.json": json.dumps(driver).encode(), "learner_state.safetensors": b"x",
