@@ -26,7 +26,7 @@ from learner.memory_budget import (
     fixed_limits,
     set_gradient_checkpointing,
 )
-from learner.micro_batches import arrival_order_plan, plan_micro_batches
+from learner.micro_batches import MicroBatchPlan, arrival_order_plan, plan_micro_batches
 from learner.policy import add_policy_lora, load_learner_base, random_base, served_base
 from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
@@ -131,8 +131,8 @@ class Learner:
             self.version += 1
         stepped = max(len(slices) - skipped, 1)
         tokens = max(sum(len(s.completion_ids) for s in samples), 1)
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        padding = self._plan(lengths).padding_frac
+        lengths = _sequence_lengths(samples)
+        padding = self._plan(samples).padding_frac
         padding_unsorted = arrival_order_plan(lengths, self.limits.rows or len(lengths)).padding_frac
         peak = {"learner/peak_gib": torch.cuda.max_memory_allocated() / 2**30} if torch.cuda.is_available() else {}
         return {
@@ -165,16 +165,16 @@ class Learner:
         """Each sample's logprobs before the first optimizer step (the PPO ratio's reference)."""
         rows: list[torch.Tensor] = [torch.empty(0)] * len(samples)
         with torch.no_grad():
-            for indices in self._plan([len(s.prompt_ids) + len(s.completion_ids) for s in samples]).batches:
+            for indices in self._plan(samples).batches:
                 chunk = [samples[i] for i in indices]
                 scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
                 for index, row, sample in zip(indices, scores.logprobs, chunk):
                     rows[index] = row[: len(sample.completion_ids)]
         return rows
 
-    def _plan(self, lengths: list[int]):
+    def _plan(self, samples: list[TrainSample]) -> MicroBatchPlan:
         """Micro-batches of similar lengths within the step's limits (learner/micro_batches.py)."""
-        return plan_micro_batches(lengths, self.limits.rows or len(lengths), self.limits.tokens)
+        return plan_micro_batches(_sequence_lengths(samples), self.limits.rows or len(samples), self.limits.tokens)
 
     def _accumulate_gradients(self, samples: list[TrainSample], old: list[torch.Tensor] | None,
                               temperature: float, sums: dict[str, float],
@@ -186,7 +186,7 @@ class Learner:
         config = self.config
         total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
         total_loss = 0.0
-        for indices in self._plan([len(s.prompt_ids) + len(s.completion_ids) for s in samples]).batches:
+        for indices in self._plan(samples).batches:
             chunk = [samples[i] for i in indices]
             scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
             mask, device = scores.mask, scores.mask.device
@@ -354,6 +354,11 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
         for name, param in model.named_parameters()
         if param.requires_grad
     }
+
+
+def _sequence_lengths(samples: list[TrainSample]) -> list[int]:
+    """Prompt plus completion tokens of each sample (a row's width before padding)."""
+    return [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
 
 
 def _pairs(samples: list[TrainSample]) -> list[tuple[list[int], list[int]]]:
