@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learner.logprobs import completion_logprobs
+from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
     MicroBatchLimits,
@@ -76,6 +76,7 @@ class Learner:
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, adapter_dtype: torch.dtype,
                  served: ServedBase | None = None):
         self.model = model
+        keep_lora_inputs_in_base_dtype(model)
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served

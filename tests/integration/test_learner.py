@@ -198,3 +198,35 @@ def test_learner_export_names_match_peft(tiny_model, tmp_path):
     ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
     assert ours.keys() == peft_names.keys() and len(ours) > 0
     assert all(torch.equal(ours[name], peft_names[name]) for name in ours)
+
+
+def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_model):
+    """On a 16-bit base the LoRA products run in that dtype (peft would cast every layer's
+    input up to the fp32 LoRA weights), while the weights, their gradients and the optimizer
+    stay fp32; the logprobs agree with an all-fp32 learner holding the same adapter."""
+    from learner.model import add_lora, load_base
+
+    def learner_in(base_format: str) -> Learner:
+        torch.manual_seed(0)
+        model = add_lora(load_base(tiny_model, base_format), 4, 8, "all-linear")
+        return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2), torch.bfloat16)
+
+    bf16, fp32 = learner_in("bf16"), learner_in("fp32")
+    with torch.no_grad():
+        for mine, theirs in zip(bf16.lora_params, fp32.lora_params):
+            mine.copy_(torch.randn_like(mine) * 0.05)
+            theirs.copy_(mine)
+    seen = []
+    for name, module in bf16.model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
+    pairs = [(s.prompt_ids, s.completion_ids) for s in _samples(6)]
+    want = fp32.logprobs(pairs, 1.0)
+    got = bf16.logprobs(pairs, 1.0)
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    worst = max(abs(a - b) for row, ref in zip(got, want) for a, b in zip(row, ref))
+    assert worst < 0.05, worst
+    before = [p.detach().clone() for p in bf16.lora_params]
+    stats = bf16.train_step(_samples(), 1.0)
+    assert math.isfinite(stats["learner/loss"]) and stats["learner/grad_norm"] > 0
+    assert all(p.dtype == torch.float32 and not torch.equal(p, b) for p, b in zip(bf16.lora_params, before))
