@@ -62,16 +62,23 @@ def draw_lengths(count: int, limit: int, mix: str, seed: int) -> list[int]:
     return [min(limit, max(1, round(rng.lognormvariate(mu, LOGNORMAL_SIGMA)))) for _ in range(count)]
 
 
+def packed_shape_folder(shape: str, scheme: str, group_size: int) -> Path:
+    """Where the random packed weights of `shape` are cached (written once, reused by runs)."""
+    from benchmarks.shapes import cache_root_shapes
+
+    return cache_root_shapes() / f"{shape}-{scheme}-g{group_size}-packed"
+
+
 def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run_dir: Path) -> QerlConfig:
     """The run config of one format: its model folder, a scratch run folder, no evaluation or
     periodic checkpoint, the memory budget applied."""
-    from benchmarks.shapes import cache_root_shapes, write_random_packed_model, write_shape_model
+    from benchmarks.shapes import write_random_packed_model, write_shape_model
 
     model: dict = {}
     if args.shape is not None:
         engine = POLICY_FORMATS[policy_format].engine
         if engine in ("int4", "nvfp4"):  # random packed weights, written once into the qerl cache
-            folder = cache_root_shapes() / f"{args.shape}-{engine}-g{config.policy.group_size}-packed"
+            folder = packed_shape_folder(args.shape, engine, config.policy.group_size)
             if not (folder / "config.json").is_file():
                 write_random_packed_model(args.shape, folder, engine, config.policy.group_size)
             model = {"path": str(folder), "random_weights": False}

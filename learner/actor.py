@@ -27,6 +27,7 @@ from learner.memory_budget import (
     set_gradient_checkpointing,
 )
 from learner.micro_batches import MicroBatchPlan, arrival_order_plan, plan_micro_batches
+from learner.model import compile_decoder_layers
 from learner.policy import add_policy_lora, load_learner_base, random_base, served_base
 from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
@@ -77,6 +78,8 @@ class Learner:
                  served: ServedBase | None = None):
         self.model = model
         keep_lora_inputs_in_base_dtype(model)
+        if _compiles_layers(config, model):
+            compile_decoder_layers(model)
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served
@@ -355,6 +358,12 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
         for name, param in model.named_parameters()
         if param.requires_grad
     }
+
+
+def _compiles_layers(config: LearnerConfig, model) -> bool:
+    if config.compile_layers == "auto":
+        return next(model.parameters()).device.type == "cuda"
+    return config.compile_layers
 
 
 def _sequence_lengths(samples: list[TrainSample]) -> list[int]:

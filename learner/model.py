@@ -106,6 +106,20 @@ def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
     return get_peft_model(model, config)
 
 
+def compile_decoder_layers(model) -> int:
+    """torch.compile every decoder layer of `model` (a causal LM or a peft model around one) in
+    place; returns how many. The layers share one graph: dynamo treats a layer's parameters as
+    inputs, and dynamic shapes spare a recompile per micro-batch width."""
+    import torch._dynamo
+
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = causal.get_decoder().layers
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def dequantized_state_dict(model) -> dict[str, torch.Tensor]:
     """The base's weights as dense tensors, NF4 and packed 4-bit layers dequantized (names as in
     the HF folder)."""

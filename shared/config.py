@@ -218,6 +218,10 @@ class LearnerConfig(_Strict):
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Cap on the learner's GPU memory (torch's allocator refuses more), e.g. its share of a
     smaller card; auto limits plan within it. None: what the device has free."""
+    compile_layers: bool | Literal["auto"] = "auto"
+    """torch.compile each decoder layer (dynamic shapes: one graph serves every layer and
+    micro-batch width), fusing the norms, rotary, SwiGLU, LoRA and 4-bit rebuilds between the
+    GEMMs. auto: on a GPU; off on a CPU, where compiling takes longer than short runs save."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
     against the learner's logprobs before the first of them, so the clip bites from the second:

@@ -21,7 +21,8 @@
 # a training with the learner and the workers on GPUs of their own; rebuild-tests checks the fused
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
-# lengths within an 80 GiB budget; learner-profile shows where the bf16 7B learner step goes. Each opt-in stage fits one
+# lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
+# write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile shows where the bf16 7B learner step goes. Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -160,9 +161,23 @@ for stage in ${*:-tests rollout sync learner train}; do
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
       run rebuild_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_packed_rebuild_gpu.py ;;
+    learner-tests)
+      python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+          --target /tmp/site .gpu/extra/*.whl
+      run learner_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_learner_gpu.py ;;
     step-7b)
       run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
-          --steps 2 --json "$out/step_7b.json" ;;
+          --steps "${STEPS:-2}" --json "$out/step_7b.json" ;;
+    step-7b-nvfp4)
+      run step_7b_nvfp4 qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats nvfp4 \
+          --steps "${STEPS:-2}" --json "$out/step_7b_nvfp4.json" ;;
+    write-32b-int4)
+      # the 32B packed int4 folder where qerl bench step looks for it (about 3.5 minutes)
+      run write_32b_int4 python3 -c "from benchmarks.step import packed_shape_folder as f; \
+from benchmarks.shapes import write_random_packed_model as w; w('qwen2.5-32b', f('qwen2.5-32b', 'int4', 128), 'int4')" ;;
+    step-32b)
+      run step_32b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-32b --formats int4 \
+          --steps "${STEPS:-1}" --json "$out/step_32b.json" ;;
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;
