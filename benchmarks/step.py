@@ -189,7 +189,7 @@ def _format_row(config: QerlConfig, args: StepBenchArgs, policy_format: str, flo
     median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     row = {"format": policy_format, **{key: median(key) for key in steps[0]}}
     recompute = bool(steps[-1]["gradient_checkpointing"])
-    flops = learner_gemm_flops(Path(run.identity["model"]), row["sequence_tokens"], row["completion_tokens"], recompute)
+    flops = learner_gemm_flops(_model_folder(config), row["sequence_tokens"], row["completion_tokens"], recompute)
     row["learner_tok_per_s"] = row["sequence_tokens"] / row["learner_s"]
     row["learner_tflops"] = flops / row["learner_s"] / 1e12
     row["learner_mfu"] = row["learner_tflops"] / floor if floor else None
@@ -210,7 +210,7 @@ def _one_step(run, step: int, args: StepBenchArgs) -> dict[str, float]:
     config = run.config
     n, prompts_per_step = config.rollout.samples_per_prompt, config.train.prompts_per_step
     rng = random.Random(config.train.seed * 7919 + step)
-    vocab = _vocab(run.identity["model"])
+    vocab = _vocab(_model_folder(config))
     prompts = [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(prompts_per_step)]
     requests = [prompt for prompt in prompts for _ in range(n)]  # one request per sample: one length each
     limits = tuple(draw_lengths(len(requests), args.gen_len, args.lengths, seed=step))
@@ -232,10 +232,18 @@ def _one_step(run, step: int, args: StepBenchArgs) -> dict[str, float]:
             "padding_frac_unsorted": stats["learner/padding_frac_unsorted"],
             "micro_batch_tokens": stats["learner/micro_batch_tokens"],
             "gradient_checkpointing": stats["learner/gradient_checkpointing"],
+            "compiled_layers": stats["learner/compiled_layers"],
             "learner_peak_gib": stats.get("learner/peak_gib", float("nan")), "gpu_used_gib": gpu_used_gib() or 0.0}
 
 
-def _vocab(model_folder: str) -> int:
+def _model_folder(config: QerlConfig) -> Path:
+    """model.path, or the embedded tiny model's cached folder."""
+    from shared.tiny_model import tiny_model_path
+
+    return Path(config.model.path) if config.model.path else tiny_model_path(log=lambda *_: None)
+
+
+def _vocab(model_folder: Path) -> int:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_folder).vocab_size

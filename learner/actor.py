@@ -78,8 +78,7 @@ class Learner:
                  served: ServedBase | None = None):
         self.model = model
         keep_lora_inputs_in_base_dtype(model)
-        if _compiles_layers(config, model):
-            compile_decoder_layers(model)
+        self.compiled_layers = compile_decoder_layers(model) if _compiles_layers(config, model) else 0
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served
@@ -158,6 +157,7 @@ class Learner:
             "learner/padding_frac_unsorted": padding_unsorted,
             "learner/micro_batch_tokens": float(self.limits.tokens or 0),
             "learner/gradient_checkpointing": float(self.limits.gradient_checkpointing),
+            "learner/compiled_layers": float(self.compiled_layers),
             "learner/step_ms": (time.perf_counter() - started) * 1e3,
             "learner/version": float(self.version),
             "mismatch/kl": sums["kl"] / tokens,
