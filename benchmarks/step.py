@@ -188,6 +188,8 @@ def _format_row(config: QerlConfig, args: StepBenchArgs, policy_format: str, flo
         run.close()
     median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
     row = {"format": policy_format, **{key: median(key) for key in steps[0]}}
+    if math.isnan(row["learner_peak_gib"]):  # no GPU: JSON null, not NaN
+        row["learner_peak_gib"] = None
     recompute = bool(steps[-1]["gradient_checkpointing"])
     flops = learner_gemm_flops(_model_folder(config), row["sequence_tokens"], row["completion_tokens"], recompute)
     row["learner_tok_per_s"] = row["sequence_tokens"] / row["learner_s"]

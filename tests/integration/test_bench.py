@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.learner import LearnerBenchArgs, bench_learner
 from benchmarks.rollout import RolloutBenchArgs, bench_rollout
+from benchmarks.step import StepBenchArgs, bench_step, draw_lengths
 from benchmarks.sync import SyncBenchArgs, bench_sync
 from shared.config import load_config
 
@@ -42,6 +43,30 @@ def test_bench_rollout_measures_vllm_the_profile_and_the_hf_peer(ray_local, tmp_
     # the CPU engine: a table of ops, no device kernels
     assert "Self CPU" in (tmp_path / "profile" / "nf4-exact" / "ops.txt").read_text()
     assert profile["device_busy_share"] is None and profile["device_ms_per_step"] == {}
+
+
+@pytest.mark.slow
+def test_bench_step_times_the_whole_step_and_its_parts(ray_local, tmp_path):
+    """qerl bench step on the tiny model: one row per format, the step's parts add up, the
+    long-tailed lengths reach the learner (fewer tokens than the limit, some padding saved by
+    sorting), and the JSON says what ran."""
+    config = load_config(None, [*ONE_WORKER, "train.prompts_per_step=4", "rollout.samples_per_prompt=4"])
+    args = StepBenchArgs(formats=("fp32", "int4-dense"), steps=1, gen_len=24, lengths="lognormal",
+                         json=str(tmp_path / "step.json"))
+    report = bench_step(config, args, log=print)
+    assert json.loads((tmp_path / "step.json").read_text())["rows"] == report["rows"]
+    assert report["benchmark"] == "step" and report["args"]["lengths"] == "lognormal"
+    assert [row["format"] for row in report["rows"]] == ["fp32", "int4-dense"]
+    drawn = sum(draw_lengths(16, 24, "lognormal", seed=1))  # the timed step's lengths
+    for row in report["rows"]:
+        assert row["step_s"] == pytest.approx(row["rollout_s"] + row["learner_s"] + row["sync_s"], rel=0.05)
+        assert 0 < row["completion_tokens"] <= drawn < 16 * 24
+        assert row["sequence_tokens"] == row["completion_tokens"] + 16 * args.prompt_len
+        assert 0 <= row["padding_frac"] <= row["padding_frac_unsorted"] < 1
+        assert row["learner_tok_per_s"] == pytest.approx(row["sequence_tokens"] / row["learner_s"])
+        assert row["compiled_layers"] == 0 and row["learner_mfu"] is None  # CPU: eager, no GEMM floor
+    assert report["rows"][1]["learner_vs_first"] == pytest.approx(
+        report["rows"][1]["learner_s"] / report["rows"][0]["learner_s"])
 
 
 @pytest.mark.slow
