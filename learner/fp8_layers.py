@@ -89,6 +89,16 @@ class Fp8Matmul(torch.autograd.Function):
         return grad_output @ weight, None
 
 
+def set_activation_rounding(model: nn.Module, rounding: str) -> None:
+    """Round every Fp8Linear's input as the engines do ("divide" or "reciprocal",
+    shared.formats.fp8_activation_rounding); other layers are left alone."""
+    if rounding not in ("divide", "reciprocal"):
+        raise ValueError(f"unknown fp8 activation rounding {rounding!r}")
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.reciprocal = rounding == "reciprocal"
+
+
 class Fp8Linear(nn.Module):
     """W8A8 FP8 linear layer: fp8-e4m3 weights with per-output-channel scales, inputs rounded per
     token to fp8 in forward (compressed-tensors FP8_DYNAMIC, vLLM's CompressedTensorsW8A8Fp8)."""

