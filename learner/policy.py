@@ -36,8 +36,16 @@ def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
         return False
     if quant.get("format") != FORMATS[scheme][1]:
         return False
-    groups = {group.get("weights", {}).get("group_size") for group in quant.get("config_groups", {}).values()}
-    return scheme != "int4" or groups == {group_size}  # only int4's group is a choice
+    groups = list(quant.get("config_groups", {}).values())
+    if scheme == "w8a8":  # float-quantized also holds static or per-tensor fp8, which Fp8Linear is not
+        return all(_is_fp8_dynamic(group) for group in groups)
+    return scheme != "int4" or {group.get("weights", {}).get("group_size") for group in groups} == {group_size}
+
+
+def _is_fp8_dynamic(group: dict) -> bool:
+    """compressed-tensors' FP8_DYNAMIC: per-channel fp8 weights, dynamic per-token fp8 inputs."""
+    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+    return (weights.get("strategy"), inputs.get("strategy"), inputs.get("dynamic")) == ("channel", "token", True)
 
 
 def packed_folder(source: Path, base_format: str, policy: PolicyConfig, engine_dtype: str, log=print) -> Path:

@@ -135,3 +135,17 @@ def test_the_w8a8_learner_trains_lora_and_keeps_the_fp8_base(tiny_model, tmp_pat
     assert all(torch.equal(t.view(torch.uint8), after["base"][n].view(torch.uint8)) for n, t in codes.items())
     assert all(torch.equal(t, after["base"][n]) for n, t in before["base"].items() if n not in codes)
 
+
+
+def test_a_w8a8_folder_is_used_as_it_is_and_static_fp8_is_not_taken_for_it(tiny_model, tmp_path):
+    from learner.policy import is_packed_folder
+
+    folder = _folder(tiny_model, tmp_path)
+    assert is_packed_folder(folder, "w8a8", 128) and not is_packed_folder(folder, "int4", 128)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"].update(dynamic=False,
+                                                                                         strategy="tensor")
+    static = tmp_path / "static"
+    static.mkdir()
+    (static / "config.json").write_text(json.dumps(config))
+    assert not is_packed_folder(static, "w8a8", 128)  # per-tensor static fp8 is another scheme
