@@ -85,7 +85,11 @@ class Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        weight = ctx.layer.dequantized_weight().to(grad_output.dtype)
+        layer = ctx.layer
+        if layer.scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
+            weight = layer.qweight.to(grad_output.dtype) * layer.scale
+        else:
+            weight = layer.dequantized_weight().to(grad_output.dtype)
         return grad_output @ weight, None
 
 

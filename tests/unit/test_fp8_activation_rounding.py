@@ -137,11 +137,12 @@ def test_forward_is_the_rounded_input_times_the_dequantized_weight():
     assert not torch.allclose(layer(x), torch.nn.functional.linear(x, weight) + layer.bias, rtol=1e-4, atol=1e-5)
 
 
-def test_backward_is_straight_through_the_rounding():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_straight_through_the_rounding(dtype):
     layer = _random_layer(5, bias=False)
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(6), requires_grad=True)
-    grad_out = torch.randn(4, 16, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(6)).to(dtype).requires_grad_(True)
+    grad_out = torch.randn(4, 16, generator=torch.Generator().manual_seed(7)).to(dtype)
     layer(x).backward(grad_out)
-    weight = layer.qweight.float() * layer.scale.float()
-    assert torch.equal(x.grad, grad_out @ weight)  # d(round)/dx taken as the identity
+    weight = (layer.qweight.float() * layer.scale.float()).to(dtype)
+    assert x.grad.dtype == dtype and torch.equal(x.grad, grad_out @ weight)  # d(round)/dx taken as the identity
     assert all(b.grad is None for b in layer.buffers())
