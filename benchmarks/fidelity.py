@@ -26,7 +26,7 @@ from rollout_server.pool import RolloutPool
 from rollout_server.vllm_internals import serving_problem
 from shared.config import QerlConfig
 from shared.errors import QerlError
-from shared.formats import POLICY_FORMATS
+from shared.formats import POLICY_FORMATS, fp8_activation_rounding
 from shared.tasks import build_task
 from shared.types import SamplingSettings, TrainSample
 
@@ -78,7 +78,8 @@ def _measure_pair(config: QerlConfig, policy_format: str, model_path: str, promp
     policy = config.policy.model_copy(update={"format": policy_format})
     learner_device = "cuda" if config.learner.num_gpus > 0 else "cpu"
     spec = LearnerSpec(model_path, config.lora, config.learner.model_copy(update={"lr": 1e-2, "warmup_steps": 0}),
-                       run_dir, policy, engine_dtype, config.train.seed, learner_device)
+                       run_dir, policy, engine_dtype, config.train.seed, learner_device,
+                       fp8_rounding=fp8_activation_rounding(config.rollout.device(), config.rollout.enforce_eager))
     learner = build_learner(spec, log)
     rollout = config.rollout.model_copy(update={"num_workers": 1, "dtype": engine_dtype, "dispatch": "slices"})
     pool = RolloutPool(learner.rollout_base(), rollout, config.lora.rank, log=log)

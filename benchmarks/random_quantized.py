@@ -1,4 +1,4 @@
-"""A compressed-tensors int4/NVFP4 folder with random weights, written straight in the packed
+"""A compressed-tensors int4/NVFP4/W8A8-FP8 folder with random weights, written straight in the packed
 layout, layer by layer, in shards: a 32B shape needs about 19 GB this way and never exists
 dense (its bf16 copy would be 65 GB, more than the GPU machine's disk). vLLM and
 `learner.packed_layers.load_packed_base` load it as any quantized folder."""
@@ -21,6 +21,10 @@ def _packed_linear(prefix: str, rows: int, cols: int, scheme: str, group_size: i
         scale = torch.empty(rows, cols // group_size).uniform_(0.004, 0.008, generator=generator).to(dtype)
         return {f"{prefix}.weight_packed": words, f"{prefix}.weight_scale": scale,
                 f"{prefix}.weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+    if scheme == "w8a8":  # fp8 codes of about N(0, 100) (no NaN bytes), one scale per output channel
+        codes = (torch.randn(rows, cols, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.empty(rows, 1).uniform_(1.5e-4, 2.5e-4, generator=generator).to(dtype)
+        return {f"{prefix}.weight": codes, f"{prefix}.weight_scale": scale}
     codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator)
     scale = torch.empty(rows, cols // 16).uniform_(0.5, 1.0, generator=generator).to(torch.float8_e4m3fn)
     return {f"{prefix}.weight_packed": codes, f"{prefix}.weight_scale": scale,

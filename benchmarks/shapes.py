@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                                      description="write a loadable model folder of a named shape, random weights")
     parser.add_argument("shape", choices=SHAPE_NAMES)
     parser.add_argument("folder")
-    parser.add_argument("--packed", choices=["int4", "nvfp4"], default=None,
+    parser.add_argument("--packed", choices=["int4", "nvfp4", "w8a8"], default=None,
                         help="write the weights straight in this compressed-tensors layout (default: bf16)")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--shape-only", action="store_true",

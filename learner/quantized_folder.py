@@ -1,6 +1,7 @@
 """Offline round-to-nearest quantization of a model folder into a compressed-tensors folder that
-vLLM loads as it is (int4 `pack-quantized`, symmetric, group scales; or NVFP4 weight-only),
-with compressed-tensors alone, written once and cached.
+vLLM loads as it is (int4 `pack-quantized`, symmetric, group scales; NVFP4 weight-only; or W8A8
+FP8: fp8 weights with per-channel scales, activations quantized per token by the engine), with
+compressed-tensors alone, written once and cached.
 
 The cache entry is keyed by the source (its config and its weight files' names, sizes and
 modification times) and the recipe (scheme, group, dtype, recipe version). It holds a manifest
@@ -27,9 +28,20 @@ RECIPE_VERSION = 2  # 2: NVFP4 global scales shared across fused layers
 MANIFEST = "qerl_quantized.json"
 _CHECKSUM_SPAN = 4 * 2**20  # bytes hashed at each end of a file: catches truncation and garbled headers
 # scheme (the base format's name) -> (compressed-tensors preset, packing format written to disk)
-FORMATS = {"int4": ("W4A16", "pack-quantized"), "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized")}
+FORMATS = {"int4": ("W4A16", "pack-quantized"), "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
+           "w8a8": ("FP8_DYNAMIC", "float-quantized")}
 COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
           "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def scheme_of(quantization_config: dict) -> str:
+    """The scheme (FORMATS key) of a compressed-tensors folder's `quantization_config`."""
+    packing = quantization_config.get("format")
+    scheme = next((name for name, (_, written) in FORMATS.items() if written == packing), None)
+    if scheme is None:
+        raise QerlError(f"compressed-tensors format {packing!r} is none of qerl's "
+                        f"({', '.join(w for _, w in FORMATS.values())})")
+    return scheme
 
 
 def source_fingerprint(source: Path) -> str:
@@ -42,9 +54,15 @@ def source_fingerprint(source: Path) -> str:
 
 
 def cache_key(source: Path, scheme: str, group_size: int, dtype: torch.dtype) -> str:
-    recipe = {"source": source_fingerprint(source), "scheme": scheme, "group_size": group_size if scheme == "int4"
-              else 16, "dtype": str(dtype), "version": RECIPE_VERSION}
+    recipe = {"source": source_fingerprint(source), "scheme": scheme, "group_size": _group_of(scheme, group_size),
+              "dtype": str(dtype), "version": RECIPE_VERSION}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _group_of(scheme: str, group_size: int) -> int | None:
+    """The group the scheme's scales cover: policy.group_size for int4, 16 for NVFP4, a whole
+    output channel (None) for W8A8."""
+    return {"int4": group_size, "nvfp4": 16}.get(scheme)
 
 
 def quantized_folder(source: str | Path, scheme: str, group_size: int, dtype: torch.dtype, cache_root: Path,
@@ -54,7 +72,8 @@ def quantized_folder(source: str | Path, scheme: str, group_size: int, dtype: to
     source = Path(source)
     _check_source(source)
     key = cache_key(source, scheme, group_size, dtype)
-    target = cache_root / f"{source.name}-{scheme}{'-g' + str(group_size) if scheme == 'int4' else ''}-{key}"
+    group = f"-g{group_size}" if scheme == "int4" else ""
+    target = cache_root / f"{source.name}-{scheme}{group}-{key}"
     if folder_matches_manifest(target, key):
         return target
     if target.exists():
@@ -107,11 +126,7 @@ def quantize_model_folder(source: Path, target: Path, scheme: str, group_size: i
     with torch.no_grad():
         for name, module in quantized.items():
             args = module.quantization_scheme.weights
-            weight = module.weight.float()
-            rows, cols = weight.shape
-            if cols % args.group_size:
-                raise QerlError(f"policy.group_size {args.group_size} does not divide a layer's {cols} inputs")
-            grouped = weight.reshape(rows, cols // args.group_size, args.group_size)
+            grouped = _grouped(module.weight.float(), args.group_size)
             global_scale = global_scales.get(name)
             scale, _ = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args, global_scale=global_scale)
             module.weight_scale.copy_(scale)
@@ -127,6 +142,16 @@ def quantize_model_folder(source: Path, target: Path, scheme: str, group_size: i
     for name in COPIED:
         if (source / name).is_file():
             shutil.copy(source / name, target / name)
+
+
+def _grouped(weight: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """[rows, groups, group] view of a weight for its scales' ranges; a whole row is one group
+    (per-channel scales, [rows, 1])."""
+    rows, cols = weight.shape
+    group_size = group_size or cols
+    if cols % group_size:
+        raise QerlError(f"policy.group_size {group_size} does not divide a layer's {cols} inputs")
+    return weight.reshape(rows, cols // group_size, group_size)
 
 
 # Layers vLLM fuses into one: they must share NVFP4's global scale, since the fused layer keeps one

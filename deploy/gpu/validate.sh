@@ -22,7 +22,10 @@
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
-# write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile shows where the bf16 7B learner step goes. Each opt-in stage fits one
+# write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile
+# shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
+# and its engine, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
+# (issue 26). Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
 set -uo pipefail
@@ -165,6 +168,20 @@ for stage in ${*:-tests rollout sync learner train}; do
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
       run learner_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_learner_gpu.py ;;
+    w8a8-tests)
+      # issue 26: the W8A8 pair's activation rounding and fp8 GEMM against vLLM's kernels, and an engine
+      # with LoRA on the learner's folder against the learner (eager and compiled)
+      python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+          --target /tmp/site .gpu/extra/*.whl
+      run w8a8_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_w8a8_gpu.py ;;
+    fidelity-w8a8)
+      # the W8A8 and bf16 pairs on 16x the prompts (>= 10k tokens each), eager engines, then compiled ones
+      run fidelity_w8a8 qerl bench fidelity "${gpu[@]}" --formats bf16,w8a8 --prompts 512 \
+          rollout.enforce_eager=true rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
+          lora.rank=8 lora.alpha=16 --json "$out/fidelity_w8a8_tiny.json"
+      run fidelity_w8a8_compiled qerl bench fidelity "${gpu[@]}" --formats bf16,w8a8 --prompts 512 \
+          rollout.enforce_eager=false rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
+          lora.rank=8 lora.alpha=16 --json "$out/fidelity_w8a8_tiny_compiled.json" ;;
     step-7b)
       run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps "${STEPS:-2}" --json "$out/step_7b.json" ;;
@@ -227,7 +244,7 @@ from benchmarks.shapes import write_random_packed_model as w; w('qwen2.5-32b', f
       cp /tmp/qerl-gpu-train/metrics.jsonl "$out/train_05b_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown stage $stage (tests rollout sync learner train engine-core levers lora-tune lora-kernels" \
             "lora-kernels-fp8 fp8-kv profile profile-4bit ratio formats int4-levers formats-32b formats-32b-marlin dual-stream-bf16 fleet-gpus fidelity" \
-            "fidelity-int4 memory32b memory32b-bf16 learner-gc async fleet)"; exit 2 ;;
+            "fidelity-int4 memory32b memory32b-bf16 learner-gc async fleet w8a8-tests fidelity-w8a8)"; exit 2 ;;
   esac
 done
 exit $status

@@ -86,7 +86,7 @@ def test_a_broken_source_folder_is_a_one_line_error(tmp_path):
         quantized_folder(tmp_path, "int4", 64, torch.float16, tmp_path / "cache")
 
 
-@pytest.mark.parametrize("scheme", ["int4", "nvfp4"])
+@pytest.mark.parametrize("scheme", ["int4", "nvfp4", "w8a8"])
 def test_random_packed_folder_loads_like_a_quantized_one(tiny_model, tmp_path, scheme):
     from benchmarks.random_quantized import write_random_quantized_folder
 
@@ -94,8 +94,8 @@ def test_random_packed_folder_loads_like_a_quantized_one(tiny_model, tmp_path, s
     folder = write_random_quantized_folder(config, tmp_path / scheme, scheme, 64, torch.bfloat16, log=lambda *_: None)
     model = load_packed_base(folder, compute_dtype=torch.bfloat16)
     layer = model.model.layers[0].mlp.gate_proj
-    assert layer.qweight.shape == ((config.intermediate_size, config.hidden_size // 8) if scheme == "int4"
-                                   else (config.intermediate_size, config.hidden_size // 2))
+    codes_per_element = {"int4": 8, "nvfp4": 2, "w8a8": 1}[scheme]  # int32 words, bytes, fp8 values
+    assert layer.qweight.shape == (config.intermediate_size, config.hidden_size // codes_per_element)
     assert torch.isfinite(model(X).logits).all()
 
 

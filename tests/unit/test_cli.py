@@ -105,6 +105,8 @@ def test_bench_takes_the_run_config_and_its_errors(args, expected, capsys):
 @pytest.mark.parametrize("overrides, expected", [
     (["policy.format=nvfp4"],
      "policy.format nvfp4 cannot be served by vLLM 0.32.0 on cpu: no kernel (it runs on cuda)"),
+    (["policy.format=w8a8"],
+     "policy.format w8a8 cannot be served by vLLM 0.32.0 on cpu: no kernel (it runs on cuda)"),
     (["policy.format=int4", "rollout.dtype=float32"],
      "policy.format int4 cannot be served by vLLM 0.32.0 on cpu in float32: set rollout.dtype to float16 or bfloat16"
      if vllm_cpu_has_int4_kernel() else

