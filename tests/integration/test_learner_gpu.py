@@ -1,5 +1,5 @@
 """The learner on a GPU: compiled decoder layers (learner.compile_layers, on by default there)
-train as the eager ones for the dense and the packed 4-bit bases, with LoRA computing in bf16
+train as the eager ones for the dense, packed 4-bit and W8A8 bases, with LoRA computing in bf16
 from fp32 master weights."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _samples(count: int = 12) -> list[TrainSample]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy_format", ["bf16", "int4", "nvfp4"])
+@pytest.mark.parametrize("policy_format", ["bf16", "int4", "nvfp4", "w8a8"])
 def test_compiled_layers_on_the_gpu_give_the_eager_gradients(tiny_model, tmp_path, policy_format):
     results = []
     for compiled in (False, True):
