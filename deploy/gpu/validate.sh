@@ -24,7 +24,7 @@
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
 # write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile
 # shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
-# and its engine, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
+# and its engine (w8a8-kernel-tests the kernel tests alone), fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
 # (issue 26). Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
@@ -174,6 +174,12 @@ for stage in ${*:-tests rollout sync learner train}; do
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
       run w8a8_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_w8a8_gpu.py ;;
+    w8a8-kernel-tests)
+      # the kernel-level half of w8a8-tests (no engines: about a minute), stopping at the first failure
+      python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
+          --target /tmp/site .gpu/extra/*.whl
+      run w8a8_kernel_tests python3 -m pytest -m gpu -q -x --tb=short -rs -p no:cacheprovider \
+          tests/integration/test_w8a8_gpu.py -k "not engine" ;;
     fidelity-w8a8)
       # the W8A8 and bf16 pairs on 16x the prompts (>= 10k tokens each), eager engines, then compiled ones
       run fidelity_w8a8 qerl bench fidelity "${gpu[@]}" --formats bf16,w8a8 --prompts 512 \
