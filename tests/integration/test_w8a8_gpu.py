@@ -62,9 +62,13 @@ def test_the_learners_fp8_gemm_is_cutlass_up_to_accumulation_order(shape):
     ours = scaled_matmul(x, layer.qweight, layer.scale)
     reference = scaled_matmul(x.cpu(), layer.qweight.cpu(), layer.scale.cpu())  # fp32, one rounding
     tolerance = dict(rtol=2**-7, atol=1e-3 * engine.float().abs().max().item())
-    assert torch.allclose(ours.float(), engine.float(), **tolerance)
-    assert torch.allclose(ours.float().cpu(), reference.float(), **tolerance)
-    assert (ours == engine).float().mean() > 0.9  # mostly bit-equal, not merely close
+    facts = dict(engine_max=engine.float().abs().max().item(),
+                 ours_vs_engine=(ours.float() - engine.float()).abs().max().item(),
+                 ours_vs_reference=(ours.float().cpu() - reference.float()).abs().max().item(),
+                 bit_equal=(ours == engine).float().mean().item())
+    assert torch.allclose(ours.float(), engine.float(), **tolerance), facts
+    assert torch.allclose(ours.float().cpu(), reference.float(), **tolerance), facts
+    assert facts["bit_equal"] > 0.9, facts  # mostly bit-equal, not merely close
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
