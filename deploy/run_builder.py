@@ -19,7 +19,7 @@ from rollout_server.pool import RolloutPool, ready_or_error
 from rollout_server.vllm_internals import serving_problem
 from shared.config import LoraConfig, QerlConfig
 from shared.errors import QerlError
-from shared.formats import fp8_activation_rounding
+from shared.formats import POLICY_FORMATS, fp8_activation_rounding
 from shared.process_output import actor_log_env
 from shared.prompts import PromptEncoder, load_prompt_encoder
 from shared.scoring import Grade, training_grade
@@ -45,6 +45,9 @@ def prepare_run(config: QerlConfig, log=print) -> Prepared:
     problem = serving_problem(config.policy.format, config.rollout)
     if problem:
         raise QerlError(problem)
+    caveat = POLICY_FORMATS[config.policy.format].caveat
+    if caveat:
+        log(f"[qerl] note: policy.format {config.policy.format} is {caveat}")
     task = build_task(config.task)
     grade = training_grade(task, config.task)
     model_path = resolve_model_path(config.model.path, log)

@@ -101,6 +101,8 @@ class PolicyFormat:
     summary: str
     vllm_lines: tuple[str, ...] = ("0.26", "0.32")
     """vLLM lines whose engine serves it."""
+    caveat: str | None = None
+    """What a run of this pair is told at its start (a pair not yet validated where it runs)."""
 
     @property
     def engine_bytes_per_weight(self) -> float | None:
@@ -169,7 +171,9 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
                      "learner and engines hold the same NVFP4 weights (Marlin FP4 on the GPU)"),
         PolicyFormat("w8a8", "w8a8", "w8a8", True, ("cuda",), _16BIT,
                      "learner and engines hold the same fp8 weights (per-channel scales) and round activations "
-                     "per token to fp8 alike: FP8 tensor cores on the GPU"),
+                     "per token to fp8 alike: FP8 tensor cores on the GPU",
+                     caveat="experimental: its GPU kernel checks (tests/integration/test_w8a8_gpu.py) have not "
+                            "passed yet on an H200 (issue 26); check `qerl bench fidelity --formats bf16,w8a8` first"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
                      "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
         PolicyFormat("nf4-fp8", "nf4", "fp8", False, ("cuda",), _16BIT,
