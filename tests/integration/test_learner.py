@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from train_samples import train_samples
 
 from learner.actor import Learner, LearnerSpec, build_learner, lora_state_dict, new_step_sums
 from shared.config import LearnerConfig, LoraConfig
@@ -19,19 +20,10 @@ def _learner(tiny_model, tmp_path, **overrides) -> Learner:
     return build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), config, str(tmp_path), seed=0))
 
 
-def _samples(count: int = 12) -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for index in range(count):
-        prompt = torch.randint(3, 90, (5 + index % 3,), generator=generator).tolist()
-        completion = torch.randint(3, 90, (2 + index % 4,), generator=generator).tolist()
-        samples.append(TrainSample(prompt, completion, [-3.0] * len(completion), 1.0 if index % 2 else -1.0))
-    return samples
-
 
 def test_several_mini_batches_clip_tokens_and_one_does_not(tiny_model, tmp_path):
-    one = _learner(tiny_model, tmp_path / "a", lr=5e-2, mini_batches=1).train_step(_samples(), 1.0)
-    four = _learner(tiny_model, tmp_path / "b", lr=5e-2, mini_batches=4).train_step(_samples(), 1.0)
+    one = _learner(tiny_model, tmp_path / "a", lr=5e-2, mini_batches=1).train_step(train_samples(), 1.0)
+    four = _learner(tiny_model, tmp_path / "b", lr=5e-2, mini_batches=4).train_step(train_samples(), 1.0)
     assert one["learner/clip_frac"] == 0.0  # the ratio is 1 on the only step
     assert four["learner/clip_frac"] > 0.0  # later mini-batches see a moved policy
 
@@ -42,7 +34,7 @@ def test_gradient_does_not_depend_on_the_micro_batch_size(tiny_model, tmp_path):
         learner = _learner(tiny_model, tmp_path / str(micro_batch), micro_batch_size=micro_batch)
         learner.optimizer.zero_grad()
         sums = new_step_sums()
-        learner._accumulate_gradients(_samples(), None, 1.0, sums)
+        learner._accumulate_gradients(train_samples(), None, 1.0, sums)
         grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
     for other in grads[1:]:
         for name, grad in grads[0].items():
@@ -52,14 +44,14 @@ def test_gradient_does_not_depend_on_the_micro_batch_size(tiny_model, tmp_path):
 
 def test_state_dict_round_trip_continues_bit_for_bit(tiny_model, tmp_path):
     straight = _learner(tiny_model, tmp_path / "a", lr=1e-2)
-    straight.train_step(_samples(), 1.0)
+    straight.train_step(train_samples(), 1.0)
     saved = straight.state_dict()
-    expected = straight.train_step(_samples(), 1.0)
+    expected = straight.train_step(train_samples(), 1.0)
 
     resumed = _learner(tiny_model, tmp_path / "b", lr=1e-2)
     resumed.load_state_dict(saved)
     assert resumed.version == 1
-    got = resumed.train_step(_samples(), 1.0)
+    got = resumed.train_step(train_samples(), 1.0)
     assert got["learner/loss"] == expected["learner/loss"]
     after, want = lora_state_dict(resumed.model), lora_state_dict(straight.model)
     assert all(torch.equal(after[name], want[name]) for name in want)
@@ -78,14 +70,14 @@ def test_state_of_another_rank_is_refused(tiny_model, tmp_path):
 def test_checkpoint_files_round_trip_through_bytes_bit_for_bit(tiny_model, tmp_path):
     """The files a checkpoint holds (safetensors + JSON, no pickle) restore the learner exactly."""
     straight = _learner(tiny_model, tmp_path / "a", lr=1e-2, mini_batches=2)
-    straight.train_step(_samples(), 1.0)
+    straight.train_step(train_samples(), 1.0)
     files = straight.checkpoint_files()
     assert set(files) == {"adapter/adapter_model.safetensors", "adapter/adapter_config.json",
                           "learner_state.safetensors", "learner_state.json"}
-    expected = straight.train_step(_samples(), 1.0)
+    expected = straight.train_step(train_samples(), 1.0)
     resumed = _learner(tiny_model, tmp_path / "b", lr=1e-2, mini_batches=2)
     assert resumed.load_checkpoint_files(files) == 1
-    got = resumed.train_step(_samples(), 1.0)
+    got = resumed.train_step(train_samples(), 1.0)
     assert got["learner/loss"] == expected["learner/loss"] and got["learner/lr"] == expected["learner/lr"]
     after, want = lora_state_dict(resumed.model), lora_state_dict(straight.model)
     assert all(torch.equal(after[name], want[name]) for name in want)
@@ -94,11 +86,11 @@ def test_checkpoint_files_round_trip_through_bytes_bit_for_bit(tiny_model, tmp_p
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model, tmp_path):
     learner = _learner(tiny_model, tmp_path, lr=1e-2)
     before = {name: t.clone() for name, t in lora_state_dict(learner.model).items()}
-    poisoned = [TrainSample(s.prompt_ids, s.completion_ids, s.rollout_logprobs, float("nan")) for s in _samples()]
+    poisoned = [TrainSample(s.prompt_ids, s.completion_ids, s.rollout_logprobs, float("nan")) for s in train_samples()]
     stats = learner.train_step(poisoned, 1.0)
     assert stats["learner/skipped_steps"] == 1.0 and learner.version == 0
     assert all(torch.equal(t, before[name]) for name, t in lora_state_dict(learner.model).items())
-    assert learner.train_step(_samples(), 1.0)["learner/skipped_steps"] == 0.0 and learner.version == 1
+    assert learner.train_step(train_samples(), 1.0)["learner/skipped_steps"] == 0.0 and learner.version == 1
 
 
 def test_kl_penalty_uses_the_adapter_off_reference(tiny_model, tmp_path):
@@ -107,10 +99,10 @@ def test_kl_penalty_uses_the_adapter_off_reference(tiny_model, tmp_path):
     drift = {}
     for coef in (0.0, 5.0):
         learner = _learner(tiny_model, tmp_path / str(coef), lr=5e-2, kl_coef=max(coef, 1e-9))
-        first = learner.train_step(_samples(), 1.0)
+        first = learner.train_step(train_samples(), 1.0)
         assert first["learner/ref_kl"] == pytest.approx(0.0, abs=1e-9)
         for _ in range(4):
-            last = learner.train_step(_samples(), 1.0)
+            last = learner.train_step(train_samples(), 1.0)
         drift[coef] = last["learner/ref_kl"]
     assert drift[0.0] > 0 and drift[5.0] < drift[0.0]
 
@@ -120,7 +112,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model, tmp_path):
     for checkpointing in (False, True):
         learner = _learner(tiny_model, tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
         learner.optimizer.zero_grad()
-        learner._accumulate_gradients(_samples(), None, 1.0, new_step_sums())
+        learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
         grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
     assert all(torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-8) for name in grads[0])
 
@@ -129,7 +121,7 @@ def test_importance_metrics_are_reported(tiny_model, tmp_path):
     """Rollout logprobs set to the learner's own, minus log 4 on even samples: the ratio
     pi_learner / pi_rollout is 4 there (above the cap 2: truncated) and 1 elsewhere."""
     learner = _learner(tiny_model, tmp_path)
-    samples = _samples()
+    samples = train_samples()
     own = learner.logprobs([(s.prompt_ids, s.completion_ids) for s in samples], 1.0)
     shifted = [TrainSample(s.prompt_ids, s.completion_ids, [lp - math.log(4) * (i % 2 == 0) for lp in row], s.advantage)
                for i, (s, row) in enumerate(zip(samples, own))]
@@ -164,7 +156,7 @@ def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_mo
     with torch.no_grad():
         for param in learner.lora_params:  # a non-zero adapter, so LoRA takes part
             param.add_(torch.randn_like(param) * 0.05)
-    pairs = [(s.prompt_ids, s.completion_ids) for s in _samples(6)]
+    pairs = [(s.prompt_ids, s.completion_ids) for s in train_samples(6)]
     scores = logprobs.completion_logprobs(learner.model, pairs, 0.7, learner.pad_id)
     scores.logprobs.sum().backward()
     chunked = [p.grad.clone() for p in learner.lora_params]
@@ -180,15 +172,15 @@ def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_mo
 
 
 def test_step_metrics_report_the_padding_saved_by_sorting(tiny_model, tmp_path):
-    stats = _learner(tiny_model, tmp_path, micro_batch_size=4).train_step(_samples(), 1.0)
+    stats = _learner(tiny_model, tmp_path, micro_batch_size=4).train_step(train_samples(), 1.0)
     assert 0 <= stats["learner/padding_frac"] < stats["learner/padding_frac_unsorted"]
-    assert stats["learner/sequence_tokens"] == sum(len(s.prompt_ids) + len(s.completion_ids) for s in _samples())
+    assert stats["learner/sequence_tokens"] == sum(len(s.prompt_ids) + len(s.completion_ids) for s in train_samples())
 
 
 def test_auto_micro_batches_on_a_cpu_use_the_default_size(tiny_model, tmp_path):
     learner = _learner(tiny_model, tmp_path, micro_batch_size="auto", gradient_checkpointing="auto")
     assert (learner.limits.rows, learner.limits.tokens, learner.limits.gradient_checkpointing) == (64, None, False)
-    assert math.isfinite(learner.train_step(_samples(), 1.0)["learner/loss"])
+    assert math.isfinite(learner.train_step(train_samples(), 1.0)["learner/loss"])
 
 
 def test_learner_export_names_match_peft(tiny_model, tmp_path):
@@ -220,14 +212,14 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
     for name, module in bf16.model.named_modules():
         if name.endswith("lora_A.default"):
             module.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
-    pairs = [(s.prompt_ids, s.completion_ids) for s in _samples(6)]
+    pairs = [(s.prompt_ids, s.completion_ids) for s in train_samples(6)]
     want = fp32.logprobs(pairs, 1.0)
     got = bf16.logprobs(pairs, 1.0)
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
     worst = max(abs(a - b) for row, ref in zip(got, want) for a, b in zip(row, ref))
     assert worst < 0.05, worst
     before = [p.detach().clone() for p in bf16.lora_params]
-    stats = bf16.train_step(_samples(), 1.0)
+    stats = bf16.train_step(train_samples(), 1.0)
     assert math.isfinite(stats["learner/loss"]) and stats["learner/grad_norm"] > 0
     assert all(p.dtype == torch.float32 and not torch.equal(p, b) for p, b in zip(bf16.lora_params, before))
 
@@ -241,7 +233,7 @@ def test_compiled_decoder_layers_train_as_the_eager_ones(tiny_model, tmp_path):
         learner = _learner(tiny_model, tmp_path / str(compiled), compile_layers=compiled, micro_batch_size=4,
                            gradient_checkpointing=True)
         learner.optimizer.zero_grad()
-        loss = learner._accumulate_gradients(_samples(), None, 1.0, new_step_sums())
+        loss = learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
         results.append((loss, [p.grad.clone() for p in learner.lora_params]))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-4, abs=1e-6)

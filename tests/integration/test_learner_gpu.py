@@ -6,20 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from train_samples import train_samples
 
 from learner.actor import LearnerSpec, build_learner, new_step_sums
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
-from shared.types import TrainSample
-
-
-def _samples(count: int = 12) -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for index in range(count):
-        prompt = torch.randint(3, 90, (5 + index % 3,), generator=generator).tolist()
-        completion = torch.randint(3, 90, (2 + index % 4,), generator=generator).tolist()
-        samples.append(TrainSample(prompt, completion, [-3.0] * len(completion), 1.0 if index % 2 else -1.0))
-    return samples
 
 
 @pytest.mark.gpu
@@ -37,7 +27,7 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients(tiny_model, tmp_pat
             for param in learner.lora_params:  # a non-zero adapter, so LoRA takes part
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.05)
         assert all(p.dtype == torch.float32 for p in learner.lora_params)
-        loss = learner._accumulate_gradients(_samples(), None, 1.0, new_step_sums())
+        loss = learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
         results.append((loss, [p.grad.float().cpu() for p in learner.lora_params]))
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=2e-2, abs=1e-4)

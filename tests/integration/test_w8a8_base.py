@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_samples import train_samples
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.fp8_layers import Fp8Linear, quantize_per_token, set_activation_rounding
 from learner.packed_layers import load_packed_base
 from learner.quantized_folder import quantized_folder
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
-from shared.types import TrainSample
 
 X = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -98,15 +98,6 @@ def test_reciprocal_rounding_is_vllms_quant_fp8_forward_native_bit_for_bit(dtype
         assert not torch.equal(codes.view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
 
 
-def _samples(count: int = 8) -> list[TrainSample]:
-    generator = torch.Generator().manual_seed(0)
-    samples = []
-    for index in range(count):
-        prompt = torch.randint(3, 90, (5 + index % 3,), generator=generator).tolist()
-        completion = torch.randint(3, 90, (2 + index % 4,), generator=generator).tolist()
-        samples.append(TrainSample(prompt, completion, [-3.0] * len(completion), 1.0 if index % 2 else -1.0))
-    return samples
-
 
 def test_the_w8a8_learner_trains_lora_and_keeps_the_fp8_base(tiny_model, tmp_path, monkeypatch):
     from learner.actor import LearnerSpec, build_learner
@@ -126,7 +117,7 @@ def test_the_w8a8_learner_trains_lora_and_keeps_the_fp8_base(tiny_model, tmp_pat
         == "float-quantized"
     before = learner.parameters_snapshot()
     for _ in range(2):  # B starts at zero: the second step moves A too
-        metrics = learner.train_step(_samples(), temperature=1.0)
+        metrics = learner.train_step(train_samples(8), temperature=1.0)
     after = learner.parameters_snapshot()
     assert torch.isfinite(torch.tensor(metrics["learner/loss"]))
     assert before["lora"] and [n for n in before["lora"] if torch.equal(before["lora"][n], after["lora"][n])] == []
