@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learner.fp8_layers import set_activation_rounding
+from learner.fp8_layers import Fp8Linear, set_activation_rounding
 from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
@@ -29,6 +29,7 @@ from learner.memory_budget import (
 )
 from learner.micro_batches import MicroBatchPlan, arrival_order_plan, plan_micro_batches
 from learner.model import compile_decoder_layers
+from learner.packed_layers import Nvfp4Linear
 from learner.policy import add_policy_lora, load_learner_base, random_base, served_base
 from learner.state_files import decode_state, encode_state
 from shared.adapter_payload import encode_adapter
@@ -365,8 +366,11 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
 
 
 def _compiles_layers(config: LearnerConfig, model) -> bool:
+    """`auto`: on a GPU, unless the base has NVFP4 or fp8 layers, whose compiled layers did not
+    give the eager gradients in bf16 on the GPU (docs/training.md; not understood yet)."""
     if config.compile_layers == "auto":
-        return next(model.parameters()).device.type == "cuda"
+        unchecked = any(isinstance(m, (Nvfp4Linear, Fp8Linear)) for m in model.modules())
+        return next(model.parameters()).device.type == "cuda" and not unchecked
     return config.compile_layers
 
 
