@@ -172,8 +172,9 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
         PolicyFormat("w8a8", "w8a8", "w8a8", True, ("cuda",), _16BIT,
                      "learner and engines hold the same fp8 weights (per-channel scales) and round activations "
                      "per token to fp8 alike: FP8 tensor cores on the GPU",
-                     caveat="experimental: its GPU kernel checks (tests/integration/test_w8a8_gpu.py) have not "
-                            "passed yet on an H200 (issue 26); check `qerl bench fidelity --formats bf16,w8a8` first"),
+                     caveat="experimental: the learner's per-token fp8 scales do not yet match vLLM's CUDA "
+                            "kernel bit for bit (docs/formats.md, issue 26); check "
+                            "`qerl bench fidelity --formats bf16,w8a8` first"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
                      "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
         PolicyFormat("nf4-fp8", "nf4", "fp8", False, ("cuda",), _16BIT,
