@@ -83,7 +83,8 @@ class Learner:
                  served: ServedBase | None = None):
         self.model = model
         keep_lora_inputs_in_base_dtype(model)
-        self.compiled_layers = compile_decoder_layers(model) if _compiles_layers(config, model) else 0
+        device_type = next(model.parameters()).device.type
+        self.compiled_layers = compile_decoder_layers(model) if compiles_layers(config, model, device_type) else 0
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served
@@ -365,12 +366,12 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
     }
 
 
-def _compiles_layers(config: LearnerConfig, model) -> bool:
+def compiles_layers(config: LearnerConfig, model: torch.nn.Module, device_type: str) -> bool:
     """`auto`: on a GPU, unless the base has NVFP4 or fp8 layers, whose compiled layers did not
     give the eager gradients in bf16 on the GPU (docs/training.md; not understood yet)."""
     if config.compile_layers == "auto":
         unchecked = any(isinstance(m, (Nvfp4Linear, Fp8Linear)) for m in model.modules())
-        return next(model.parameters()).device.type == "cuda" and not unchecked
+        return device_type == "cuda" and not unchecked
     return config.compile_layers
 
 
