@@ -239,10 +239,10 @@ def _one_step(run, step: int, args: StepBenchArgs) -> dict[str, float]:
 
 
 def _model_folder(config: QerlConfig) -> Path:
-    """model.path, or the embedded tiny model's cached folder."""
-    from shared.tiny_model import tiny_model_path
+    """model.path, or the embedded tiny model's folder (as the run resolved it)."""
+    from learner.model import resolve_model_path
 
-    return Path(config.model.path) if config.model.path else tiny_model_path(log=lambda *_: None)
+    return Path(resolve_model_path(config.model.path, log=lambda *_: None))
 
 
 def _vocab(model_folder: Path) -> int:

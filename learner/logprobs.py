@@ -71,9 +71,9 @@ def _chunk_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def lora_in_compute_dtype(head_weight: torch.Tensor):
     """Autocast to the base's 16-bit compute dtype (none on an fp32 base): peft keeps the LoRA
     weights in fp32 (the optimizer's master copy) and would compute every LoRA product in fp32,
-    casting each layer's input up and the result back: on a bf16 7B step that was 14 % of the
-    time in fp32 GEMMs and most of its elementwise time. vLLM computes LoRA in the engine dtype
-    too. Gradient checkpointing recomputes under the same autocast state."""
+    casting each layer's input up and the result back (the bf16 7B learner profile in
+    BENCHMARKS.md). vLLM computes LoRA in the engine dtype too. Gradient checkpointing
+    recomputes under the same autocast state."""
     dtype = head_weight.dtype
     if dtype == torch.float32:
         return nullcontext()
