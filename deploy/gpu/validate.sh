@@ -24,7 +24,8 @@
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
 # write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile
 # shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
-# and its engine (w8a8-kernel-tests the kernel tests alone), fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
+# and its engine (w8a8-kernel-tests the kernel tests alone), rollout-w8a8 its 7B engine beside bf16 and int4 at
+# 64/256/512 sequences, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
 # (issue 26). Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
@@ -113,6 +114,11 @@ for stage in ${*:-tests rollout sync learner train}; do
     formats)
       # the 4-bit formats beside bf16 + LoRA, one engine each, same prompts; ratios to bf16
       lever formats --formats bf16,int4,nvfp4 --peer-concurrency "" --repeats 2 ;;
+    rollout-w8a8)
+      # issue 26's target: the W8A8 engine beside bf16 and int4 (+ LoRA) at RL batch sizes, ratios to bf16
+      run rollout_7b_w8a8 qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --formats bf16,w8a8,int4 \
+          --concurrency 64,256,512 --prompt-len 256 --gen-len 512 --peer-concurrency "" --repeats 1 \
+          --json "$out/rollout_7b_w8a8.json" ;;
     int4-levers)
       # the kernel and LoRA-stream levers on the int4 engine (compare with the formats stage)
       lever int4_marlin --formats int4 --peer-concurrency "" --repeats 2 rollout.linear_backend=marlin

@@ -35,12 +35,26 @@ def test_per_token_rounding_is_vllms_cuda_kernel_bit_for_bit(tokens, dtype):
     ours, our_scale = quantize_per_token(x)
     by_reciprocal, _ = quantize_per_token(x, reciprocal=True)
     scales_off = (scale.reshape(-1) != our_scale.reshape(-1)).sum().item()
-    amax = x.float().abs().amax(dim=-1)  # the scale as amax times a rounded 1/448, for the report
-    by_constant_off = (scale.reshape(-1) != torch.clamp(amax * (1.0 / 448.0), min=1.0 / (448 * 512))).sum().item()
-    codes_off = (codes.view(torch.uint8) != ours.view(torch.uint8)).sum().item()
-    reciprocal_off = (codes.view(torch.uint8) != by_reciprocal.view(torch.uint8)).sum().item()
-    # the counts say which rounding the kernel does when it is not ours
-    assert scales_off == 0 and codes_off == 0, (scales_off, by_constant_off, codes_off, reciprocal_off, x.numel())
+    codes_off = _codes_off(codes, ours)
+    # the candidates' counts say which rounding the kernel does when it is not ours: the scale as
+    # amax times a rounded 1/448 (fast math), then the values divided by it or times its reciprocal
+    x32 = x.float()
+    by_constant = torch.clamp(x32.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0), min=1.0 / (448 * 512))
+    candidates = dict(
+        scales_off=scales_off, codes_off=codes_off, reciprocal_off=_codes_off(codes, by_reciprocal),
+        by_constant_scales_off=(scale.reshape(-1) != by_constant.reshape(-1)).sum().item(),
+        by_constant_divide_off=_codes_off(codes, _to_fp8(x32 / by_constant)),
+        by_constant_reciprocal_off=_codes_off(codes, _to_fp8(x32 * by_constant.reciprocal())),
+        numel=x.numel())
+    assert scales_off == 0 and codes_off == 0, candidates
+
+
+def _codes_off(codes: torch.Tensor, ours: torch.Tensor) -> int:
+    return (codes.view(torch.uint8) != ours.view(torch.uint8)).sum().item()
+
+
+def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def _random_layer(out_features: int, in_features: int) -> Fp8Linear:
