@@ -81,7 +81,8 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     rollout.add_argument("--peer-format", default="nf4", choices=["nf4", "bf16", "fp32"])
     rollout.add_argument("--profile", metavar="DIR", type=_output_folder, default=None,
                          help="also profile one generate (device time by kernel kind, GPU busy share); op table in DIR")
-    rollout.add_argument("--profile-seqs", type=at_least(1), default=64, help="sequences in the profiled generate")
+    rollout.add_argument("--profile-seqs", type=at_least(1), default=64,
+                         help="sequences in the profiled generate (whatever --concurrency sweeps)")
     sync = kinds.add_parser("sync", help="adapter push latency into rollout.num_workers workers: memory vs disk")
     _common(sync)
     sync.add_argument("--repeats", type=at_least(1), default=20)
@@ -122,6 +123,9 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
                       help="every completion to --gen-len, or long-tailed lengths with a mean of a third of it")
     step.add_argument("--gpu-memory-gib", type=float, default=None,
                       help="stand in for a card of this size: the engines' and the learner's shares capped to it")
+    step.add_argument("--profile", metavar="DIR", type=_output_folder, default=None,
+                      help="after the timed steps, profile one more learner phase in the learner's process "
+                           "(device time by kernel kind); op table in DIR/FORMAT")
     kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
     _common(kernels)
     kernels.add_argument("--tokens", type=ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),

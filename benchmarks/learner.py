@@ -115,9 +115,9 @@ def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict
             from benchmarks.profile import profile_generate
 
             one_step = partial(learner.train_step, samples, 1.0)
-            summary = profile_generate(one_step, 1, f"{args.profile}/{base_format}")
+            summary = profile_generate(one_step, 1, f"{args.profile}/{base_format}", unit="learner step")
             rows[-1]["profile"] = summary
-            log(summary["line"].replace("per decode step", "per learner step"))
+            log(summary["line"])
         del learner, base
         if device == "cuda":
             torch.cuda.empty_cache()

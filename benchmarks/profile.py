@@ -20,6 +20,9 @@ KERNEL_KINDS = [
     ("lora", re.compile(r"lora", re.I)),
     ("attention", re.compile(r"flash|attn|attention|fmha|paged", re.I)),
     ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk|marlin|machete|wna16", re.I)),
+    # the learner's fused rebuild of packed 4-bit weights: inductor names its kernels after their
+    # ops (unpacking the codes: shifts and masks)
+    ("4-bit rebuild", re.compile(r"rshift|bitwise_and", re.I)),
     ("sampling", re.compile(r"softmax|topk|top_k|sort|multinomial|exponential|argmax|log_softmax|gumbel", re.I)),
     ("norm/activation", re.compile(r"norm|silu|act_and_mul|rotary|rope", re.I)),
     ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
@@ -52,9 +55,9 @@ def busy_us(intervals: list[tuple[str, float, float]]) -> float:
     return total
 
 
-def profile_generate(generate, steps: int, out_dir: str | Path) -> dict:
+def profile_generate(generate, steps: int, out_dir: str | Path, unit: str = "decode step") -> dict:
     """Run `generate()` under the profiler; write the op table to out_dir/ops.txt and return
-    the summary (device ms per decode step by kind, GPU-busy share of the wall time) with a
+    the summary (device ms per `unit` by kind, GPU-busy share of the wall time) with a
     readable `line`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,10 +86,10 @@ def profile_generate(generate, steps: int, out_dir: str | Path) -> dict:
         "kernels_per_step": {kind: launches[kind] / steps for kind in sorted(by_kind, key=lambda k: -by_kind[k])},
         "ops_table": str(out / "ops.txt"),
     }
-    summary["line"] = (f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per decode step (wall), "
+    summary["line"] = (f"[qerl] profile: {summary['wall_ms_per_step']:.2f} ms per {unit} (wall), "
         + (f"device busy {summary['device_busy_share']:.0%} of it; device ms per step: "
            + ", ".join(f"{kind} {ms:.2f} ({launches[kind] / steps:.0f} kernels)"
                        for kind, ms in summary["device_ms_per_step"].items())
-           if intervals else "no device kernels recorded (CPU engine)")
+           if intervals else "no device kernels recorded (it ran on the CPU)")
         + f"; op table: {out / 'ops.txt'}")
     return summary

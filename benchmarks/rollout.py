@@ -192,7 +192,8 @@ def _profile(worker, args: RolloutBenchArgs, n: int, prompt_len: int, gen_len: i
     steps = min(gen_len, 128)
     sampling = SamplingSettings(n, 1.0, steps, seed=args.profile_seqs, ignore_eos=True)
     profile = ray.get(worker.profile_generate.remote(prompts, sampling, steps, out_dir))
-    log(profile["line"])
+    profile["seqs"] = args.profile_seqs  # --profile-seqs, not the sweep's --concurrency
+    log(profile["line"].replace("[qerl] profile:", f"[qerl] profile of {args.profile_seqs} sequences:", 1))
     return profile
 
 

@@ -50,6 +50,9 @@ class StepBenchArgs:
     gen_len: int = 256
     lengths: str = "fixed"
     gpu_memory_gib: float | None = None
+    profile: str | None = None
+    """Folder: after the timed steps, one more step's learner phase under torch.profiler, in the
+    learner's process (not timed); op table in profile/FORMAT/ops.txt."""
     json: str | None = None
 
 
@@ -184,6 +187,7 @@ def _format_row(config: QerlConfig, args: StepBenchArgs, policy_format: str, flo
     run = start_run(config, log=lambda line: log(f"[qerl]   {policy_format}: {line.removeprefix('[qerl] ')}"))
     try:
         steps = [_one_step(run, step, args) for step in range(args.steps + 1)][1:]
+        profile = _profile_learner(run, args.steps + 1, args, policy_format, log) if args.profile else None
     finally:
         run.close()
     median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
@@ -198,15 +202,58 @@ def _format_row(config: QerlConfig, args: StepBenchArgs, policy_format: str, flo
     row["engine_reserved_gib"] = (config.rollout.gpu_memory_utilization * torch.cuda.get_device_properties(0)
                                   .total_memory / 2**30 * config.rollout.num_workers
                                   if torch.cuda.is_available() else None)
+    row["learner_profile"] = profile
     log(f"[qerl]   {policy_format}: step {row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, learner "
         f"{row['learner_s']:.2f}, sync {row['sync_s']:.2f}), padding {row['padding_frac']:.1%}")
     return row
 
 
+def _profile_learner(run, step: int, args: StepBenchArgs, policy_format: str, log) -> dict:
+    """One more step's batch, its learner phase run under torch.profiler inside the learner actor
+    (Ray's __ray_call__ runs a function there: the learner module knows nothing of benchmarks)."""
+    import ray
+
+    samples, _, _ = _rollout_batch(run, step, args)
+    out_dir = str(Path(args.profile).resolve() / policy_format)
+    summary = ray.get(run.learner.__ray_call__.remote(_profiled_train_step, samples,
+                                                      run.config.rollout.temperature, out_dir))
+    log(summary["line"].replace("[qerl] profile:", f"[qerl]   {policy_format}: learner profile:", 1))
+    return summary
+
+
+def _profiled_train_step(learner, samples: list, temperature: float, out_dir: str) -> dict:
+    """Runs in the learner actor's process."""
+    from benchmarks.profile import profile_generate
+
+    return profile_generate(lambda: learner.train_step(samples, temperature), 1, out_dir, unit="learner step")
+
+
 def _one_step(run, step: int, args: StepBenchArgs) -> dict[str, float]:
     """Generate, train, push: the parts of `qerl train`'s step that cost time."""
-    from deploy.rollouts import step_noise
     from deploy.train import learn, sync
+
+    started = time.perf_counter()
+    samples, rollout_s, generated_tokens = _rollout_batch(run, step, args)
+    generated = time.perf_counter()
+    stats = learn(run, step, samples)
+    learned = time.perf_counter()
+    sync(run, int(stats["learner/version"]))
+    synced = time.perf_counter()
+    return {"step_s": synced - started, "rollout_s": rollout_s, "learner_s": learned - generated,
+            "sync_s": synced - learned, "rollout_tok_per_s": generated_tokens / rollout_s,
+            "sequence_tokens": stats["learner/sequence_tokens"],
+            "completion_tokens": stats["learner/tokens"], "padding_frac": stats["learner/padding_frac"],
+            "padding_frac_unsorted": stats["learner/padding_frac_unsorted"],
+            "micro_batch_tokens": stats["learner/micro_batch_tokens"],
+            "gradient_checkpointing": stats["learner/gradient_checkpointing"],
+            "compiled_layers": stats["learner/compiled_layers"],
+            "learner_peak_gib": stats.get("learner/peak_gib", float("nan")), "gpu_used_gib": gpu_used_gib() or 0.0}
+
+
+def _rollout_batch(run, step: int, args: StepBenchArgs) -> tuple[list, float, int]:
+    """Step `step`'s batch generated on the fleet (its drawn lengths, random +-1 advantages):
+    the samples, the seconds it took and the tokens generated."""
+    from deploy.rollouts import step_noise
     from shared.types import SamplingSettings, TrainSample
 
     config = run.config
@@ -220,22 +267,10 @@ def _one_step(run, step: int, args: StepBenchArgs) -> dict[str, float]:
                                 max_new_tokens_by_prompt=limits)
     started = time.perf_counter()
     completions = run.pool.collect(run.pool.submit(requests, sampling, step_noise(config, step)))
-    generated = time.perf_counter()
+    seconds = time.perf_counter() - started
     samples = [TrainSample(requests[c.prompt_index], c.token_ids, c.logprobs, rng.choice((-1.0, 1.0)))
                for c in completions]
-    stats = learn(run, step, samples)
-    learned = time.perf_counter()
-    sync(run, int(stats["learner/version"]))
-    synced = time.perf_counter()
-    return {"step_s": synced - started, "rollout_s": generated - started, "learner_s": learned - generated,
-            "sync_s": synced - learned, "rollout_tok_per_s": sum(len(c.token_ids) for c in completions)
-            / (generated - started), "sequence_tokens": stats["learner/sequence_tokens"],
-            "completion_tokens": stats["learner/tokens"], "padding_frac": stats["learner/padding_frac"],
-            "padding_frac_unsorted": stats["learner/padding_frac_unsorted"],
-            "micro_batch_tokens": stats["learner/micro_batch_tokens"],
-            "gradient_checkpointing": stats["learner/gradient_checkpointing"],
-            "compiled_layers": stats["learner/compiled_layers"],
-            "learner_peak_gib": stats.get("learner/peak_gib", float("nan")), "gpu_used_gib": gpu_used_gib() or 0.0}
+    return samples, seconds, sum(len(c.token_ids) for c in completions)
 
 
 def _model_folder(config: QerlConfig) -> Path:

@@ -22,7 +22,8 @@
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
-# write-32b-int4 then step-32b the 32B int4 pair; learner-tests the learner's GPU tests; learner-profile
+# write-32b-int4 then step-32b the 32B int4 pair; step-7b-profile one pair's step (FORMAT, default int4)
+# with its learner phase profiled; learner-tests the learner's GPU tests; learner-profile
 # shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
 # and its engine (w8a8-kernel-tests the kernel tests alone), rollout-w8a8 its 7B engine beside bf16 and int4 at
 # 64/256/512 sequences, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
@@ -210,6 +211,12 @@ from benchmarks.shapes import write_random_packed_model as w; w('qwen2.5-32b', f
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;
+    step-7b-profile)
+      # one 7B pair's step (FORMAT, default int4), then its learner phase profiled in the learner's
+      # process: where the int4 learner's extra time over bf16's goes (GPU_GIB: an --gpu-memory-gib)
+      run "step_7b_profile_${FORMAT:-int4}" qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
+          --formats "${FORMAT:-int4}" --steps "${STEPS:-1}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} \
+          --profile "$out/profile_step" --json "$out/step_7b_profile_${FORMAT:-int4}.json" ;;
     learner-profile)
       # where the bf16 7B learner's step goes: 24 sequences of 10 + 256 tokens, checkpointing off
       run learner_profile_7b qerl bench learner --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \

@@ -52,7 +52,7 @@ def test_bench_step_times_the_whole_step_and_its_parts(ray_local, tmp_path):
     sorting), and the JSON says what ran."""
     config = load_config(None, [*ONE_WORKER, "train.prompts_per_step=4", "rollout.samples_per_prompt=4"])
     args = StepBenchArgs(formats=("fp32", "int4-dense"), steps=1, gen_len=24, lengths="lognormal",
-                         json=str(tmp_path / "step.json"))
+                         profile=str(tmp_path / "profile"), json=str(tmp_path / "step.json"))
     report = bench_step(config, args, log=print)
     assert json.loads((tmp_path / "step.json").read_text())["rows"] == report["rows"]
     assert report["benchmark"] == "step" and report["args"]["lengths"] == "lognormal"
@@ -65,6 +65,11 @@ def test_bench_step_times_the_whole_step_and_its_parts(ray_local, tmp_path):
         assert 0 <= row["padding_frac"] <= row["padding_frac_unsorted"] < 1
         assert row["learner_tok_per_s"] == pytest.approx(row["sequence_tokens"] / row["learner_s"])
         assert row["compiled_layers"] == 0 and row["learner_mfu"] is None  # CPU: eager, no GEMM floor
+        # one more learner phase, profiled in the learner actor's process: its op table (CPU ops here)
+        profile = row["learner_profile"]
+        assert profile["steps"] == 1 and profile["wall_ms"] > 0 and profile["device_ms_per_step"] == {}
+        ops = (tmp_path / "profile" / row["format"] / "ops.txt").read_text()
+        assert "Self CPU" in ops and "aten::mm" in ops  # the learner's matmuls ran under the profiler
     assert report["rows"][1]["learner_vs_first"] == pytest.approx(
         report["rows"][1]["learner_s"] / report["rows"][0]["learner_s"])
 

@@ -31,6 +31,9 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert kernel_kind("_lora_shrink_kernel") == "lora"
     assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert kernel_kind("flash_fwd_splitkv_kernel") == "attention"
+    # inductor names the learner's fused int4 rebuild after its ops
+    assert kernel_kind("triton_poi_fused___rshift____to_copy_arange_bitwise_and_clone_expand_mul_sub_0") \
+        == "4-bit rebuild"
 
 
 def test_bench_fleet_bad_sweeps():
