@@ -59,19 +59,25 @@ def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, b
     rounding at the end. On a GPU in bf16 this is torch's row-wise scaled fp8 GEMM (the FP8
     tensor cores, as CUTLASS on the engine); elsewhere the same arithmetic in fp32."""
     codes, x_scale = quantize_per_token(x, reciprocal)
-    if _fp8_tensor_cores(x, qweight):
+    return fp8_matmul(codes, x_scale, qweight, scale, bias, x.dtype)
+
+
+def fp8_matmul(codes: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM half of `scaled_matmul`, on codes already rounded (vLLM's cutlass_scaled_mm)."""
+    if _fp8_tensor_cores(codes, qweight, out_dtype):
         rows = codes.reshape(-1, codes.shape[-1])
         out = torch._scaled_mm(rows, qweight.t(), scale_a=x_scale.reshape(-1, 1),
-                               scale_b=scale.float().reshape(1, -1), bias=None if bias is None else bias.to(x.dtype),
-                               out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], -1)
+                               scale_b=scale.float().reshape(1, -1), bias=None if bias is None else bias.to(out_dtype),
+                               out_dtype=out_dtype)
+        return out.reshape(*codes.shape[:-1], -1)
     out = F.linear(codes.float(), qweight.float()) * x_scale * scale.float().reshape(1, -1)
-    return (out if bias is None else out + bias.float()).to(x.dtype)
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
-def _fp8_tensor_cores(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+def _fp8_tensor_cores(codes: torch.Tensor, qweight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """torch's row-wise scaled GEMM: CUDA, sm_89+, bf16 out, both dimensions multiples of 16."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return (codes.is_cuda and out_dtype == torch.bfloat16 and torch.cuda.get_device_capability(codes.device) >= (8, 9)
             and qweight.shape[0] % 16 == 0 and qweight.shape[1] % 16 == 0)
 
 
