@@ -4,8 +4,8 @@
 (int4 `pack-quantized`: int32 words of eight 4-bit codes plus group scales; NVFP4: bytes of two
 e2m1 codes, fp8 group scales and a global scale) and dequantize on the fly, the way
 compressed-tensors decompresses them (the product rounded in the scales' dtype, the dtype the
-engine runs in). Forward and backward go through `PackedMatmul`, which saves only the packed
-tensors and rebuilds the weight for dX = dY W, so the learner's memory stays near 4 bits a
+engine runs in). Forward and backward go through the `packed_matmul` custom op, which saves only
+the packed tensors and rebuilds the weight for dX = dY W, so the learner's memory stays near 4 bits a
 weight however many layers a step goes through. peft puts its LoRA on top through its
 custom-module hook (`packed_lora_config`): GPTQLoraLinear is a generic base(x) + B(A(x)) layer.
 `load_packed_base` also loads W8A8 FP8 folders, into `learner.fp8_layers.Fp8Linear`.
@@ -75,26 +75,64 @@ def rebuild_on(device: torch.device, rebuild: Callable) -> Callable:
     return fused(rebuild) if device.type == "cuda" else rebuild
 
 
-class PackedMatmul(torch.autograd.Function):
-    """x @ W.T with W rebuilt from `layer`'s packed tensors in forward and again in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        ctx.layer = layer  # the layer holds the packed buffers; nothing dense is saved
-        return F.linear(x, layer.dequantized_weight().to(x.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        weight = ctx.layer.dequantized_weight().to(grad_output.dtype)
-        return grad_output @ weight, None
+def rebuilt_weight(qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, in_features: int,
+                   group_size: int) -> torch.Tensor:
+    """The dense weight of a packed layer: NVFP4 when it has a global scale, else int4."""
+    if global_scale is not None:
+        return rebuild_on(qweight.device, nvfp4_weight)(qweight, scale.to(torch.float32) / global_scale)
+    return rebuild_on(qweight.device, int4_weight)(qweight, scale, in_features, group_size)
 
 
-# Opaque to a compiled decoder layer (learner.compile_layers): there the rebuilt weight could be
-# kept for backward (2 bytes a weight: the 4-bit memory gone) and NVFP4's division by the global
-# scale would be fused into a kernel that does not round as compressed-tensors' eager one.
-@torch.compiler.disable
+# x @ W.T with W rebuilt from the packed tensors in forward and again in backward, as custom ops:
+# a compiled decoder layer (learner.compile_layers) traces through them without a graph break
+# but cannot see inside, so it neither keeps the rebuilt weight for backward (2 bytes a weight:
+# the 4-bit memory gone) nor fuses NVFP4's division by the global scale into a kernel that does
+# not round as compressed-tensors' eager one. Only the packed tensors are saved for backward.
+@torch.library.custom_op("qerl::packed_matmul", mutates_args=())
+def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                  in_features: int, group_size: int) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):  # in x's dtype, as the fake below says
+        return F.linear(x, rebuilt_weight(qweight, scale, global_scale, in_features, group_size).to(x.dtype))
+
+
+@packed_matmul.register_fake
+def _(x, qweight, scale, global_scale, in_features, group_size):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+@torch.library.custom_op("qerl::packed_matmul_input_grad", mutates_args=())
+def packed_matmul_input_grad(grad_output: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                             global_scale: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor:
+    """dX = dY W."""
+    weight = rebuilt_weight(qweight, scale, global_scale, in_features, group_size).to(grad_output.dtype)
+    with torch.autocast(grad_output.device.type, enabled=False):
+        return grad_output @ weight
+
+
+@packed_matmul_input_grad.register_fake
+def _(grad_output, qweight, scale, global_scale, in_features, group_size):
+    return grad_output.new_empty(*grad_output.shape[:-1], in_features)
+
+
+def _save_packed(ctx, inputs, output) -> None:
+    _, qweight, scale, global_scale, ctx.in_features, ctx.group_size = inputs
+    ctx.has_global_scale = global_scale is not None
+    ctx.save_for_backward(qweight, scale, *((global_scale,) if ctx.has_global_scale else ()))
+
+
+def _packed_matmul_backward(ctx, grad_output):
+    qweight, scale, *global_scale = ctx.saved_tensors
+    grad_x = packed_matmul_input_grad(grad_output, qweight, scale, global_scale[0] if global_scale else None,
+                                      ctx.in_features, ctx.group_size)
+    return grad_x, None, None, None, None, None
+
+
+packed_matmul.register_autograd(_packed_matmul_backward, setup_context=_save_packed)
+
+
 def packed_linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    out = PackedMatmul.apply(x, layer)
+    out = packed_matmul(x, layer.qweight, layer.scale, getattr(layer, "global_scale", None), layer.in_features,
+                        layer.group_size)
     return out if layer.bias is None else out + layer.bias.to(out.dtype)
 
 
@@ -115,8 +153,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     def dequantized_weight(self) -> torch.Tensor:
-        rebuild = rebuild_on(self.qweight.device, int4_weight)
-        return rebuild(self.qweight, self.scale, self.in_features, self.group_size)
+        return rebuilt_weight(self.qweight, self.scale, None, self.in_features, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)
@@ -138,8 +175,8 @@ class Nvfp4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     def dequantized_weight(self) -> torch.Tensor:
-        scale = self.scale.to(torch.float32) / self.global_scale  # as compressed-tensors' _dequantize
-        return rebuild_on(self.qweight.device, nvfp4_weight)(self.qweight, scale)
+        # the division by the global scale in eager fp32, as compressed-tensors' _dequantize
+        return rebuilt_weight(self.qweight, self.scale, self.global_scale, self.in_features, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self)

@@ -11,7 +11,7 @@ import torch
 from train_samples import train_samples
 
 from learner.actor import Learner, LearnerSpec, build_learner, lora_state_dict, new_step_sums
-from shared.config import LearnerConfig, LoraConfig
+from shared.config import LearnerConfig, LoraConfig, PolicyConfig
 from shared.types import TrainSample
 
 
@@ -224,17 +224,26 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
     assert all(p.dtype == torch.float32 and not torch.equal(p, b) for p, b in zip(bf16.lora_params, before))
 
 
-def test_compiled_decoder_layers_train_as_the_eager_ones(tiny_model, tmp_path):
+@pytest.mark.parametrize("policy_format", ["nf4-exact", "int4-dense"])
+def test_compiled_decoder_layers_train_as_the_eager_ones(tiny_model, tmp_path, policy_format):
     """learner.compile_layers: the same loss and gradients as eager layers, with gradient
     checkpointing (the compiled layer is recomputed in backward) and micro-batches of several
-    widths (dynamic shapes)."""
+    widths (dynamic shapes); the packed int4 layers (int4-dense's learner) compile into the
+    layer's graph without breaking it."""
+    from torch._dynamo.utils import counters
+
     results = []
     for compiled in (False, True):
-        learner = _learner(tiny_model, tmp_path / str(compiled), compile_layers=compiled, micro_batch_size=4,
-                           gradient_checkpointing=True)
+        config = LearnerConfig(warmup_steps=0, compile_layers=compiled, micro_batch_size=4,
+                               gradient_checkpointing=True)
+        learner = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), config,
+                                            str(tmp_path / str(compiled)), policy=PolicyConfig(format=policy_format)))
         learner.optimizer.zero_grad()
+        counters.clear()
         loss = learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
         results.append((loss, [p.grad.clone() for p in learner.lora_params]))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0  # it did compile
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-4, abs=1e-6)
     scale = max(grad.abs().max().item() for grad in eager_grads)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.packed_layers import Int4Linear, Nvfp4Linear, PackedMatmul, load_packed_base, packed_lora_config
+from learner.packed_layers import Int4Linear, Nvfp4Linear, load_packed_base, packed_linear, packed_lora_config
 from learner.quantized_folder import MANIFEST, quantized_folder
 from shared.errors import QerlError
 
@@ -58,7 +58,7 @@ def test_backward_through_the_packed_matmul_equals_the_dense_one(tiny_model, tmp
     base = load_packed_base(_folder(tiny_model, tmp_path, "int4", torch.float16))
     layer = base.model.layers[1].self_attn.o_proj
     x = torch.randn(3, layer.in_features, requires_grad=True)
-    PackedMatmul.apply(x, layer).square().sum().backward()
+    packed_linear(x, layer).square().sum().backward()
     x_dense = x.detach().clone().requires_grad_(True)
     torch.nn.functional.linear(x_dense, layer.dequantized_weight().float()).square().sum().backward()
     assert torch.allclose(x.grad, x_dense.grad, rtol=1e-5, atol=1e-6)
