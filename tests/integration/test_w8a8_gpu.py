@@ -45,12 +45,36 @@ def test_per_token_rounding_is_vllms_cuda_kernel_bit_for_bit(tokens, dtype):
         by_constant_scales_off=(scale.reshape(-1) != by_constant.reshape(-1)).sum().item(),
         by_constant_divide_off=_codes_off(codes, _to_fp8(x32 / by_constant)),
         by_constant_reciprocal_off=_codes_off(codes, _to_fp8(x32 * by_constant.reciprocal())),
+        # amax x fl(1/448) missed as often as amax / 448 (H100, 2026-12-05): how far the kernel's
+        # scales sit from ours in ulps, and the rows missed by amax times each fp32 within 4 ulps
+        # of 1/448 (an approximate reciprocal, rcp.approx under fast math, is one of them)
+        scale_ulps=_ulp_counts(scale.reshape(-1), our_scale.reshape(-1)),
+        multiplier_ulps_rows_off=_multiplier_misses(x32, scale.reshape(-1)),
         numel=x.numel())
     assert scales_off == 0 and codes_off == 0, candidates
 
 
 def _codes_off(codes: torch.Tensor, ours: torch.Tensor) -> int:
     return (codes.view(torch.uint8) != ours.view(torch.uint8)).sum().item()
+
+
+def _ulp_counts(theirs: torch.Tensor, ours: torch.Tensor) -> dict[int, int]:
+    """How many rows' fp32 scales differ by each number of ulps (positive scales)."""
+    steps = theirs.float().view(torch.int32).long() - ours.float().view(torch.int32).long()
+    values, counts = steps.unique(return_counts=True)
+    return dict(zip(values.tolist(), counts.tolist()))
+
+
+def _multiplier_misses(x32: torch.Tensor, scale: torch.Tensor) -> dict[int, int]:
+    """Rows whose scale is not max(amax * r, min) for r = fl(1/448) moved by k ulps, k in -4..4."""
+    amax = x32.abs().amax(dim=-1)
+    base = torch.tensor(1.0 / 448.0, dtype=torch.float32).view(torch.int32)
+    misses = {}
+    for k in range(-4, 5):
+        multiplier = (base + k).view(torch.float32).item()
+        candidate = torch.clamp(amax * multiplier, min=1.0 / (448 * 512))
+        misses[k] = (candidate != scale.float()).sum().item()
+    return misses
 
 
 def _to_fp8(scaled: torch.Tensor) -> torch.Tensor:
