@@ -26,7 +26,8 @@
 # with its learner phase profiled; learner-tests the learner's GPU tests; learner-profile
 # shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
 # and its engine (w8a8-kernel-tests the kernel tests alone), rollout-w8a8 its 7B engine beside bf16 and int4 at
-# 64/256/512 sequences, rollout-w8a8-profile a profiled 512-sequence decode step of bf16 and W8A8, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
+# 64/256/512 sequences, rollout-w8a8-profile a profiled 512-sequence decode step of bf16 and W8A8,
+# rollout-w8a8-separate both at 256/512 with the engine core in its own process, fidelity-w8a8 measures its KL beside bf16 on >= 10k tokens, eager and compiled
 # (issue 26). Each opt-in stage fits one
 # 10-minute device call (two or three engines).
 # Results (logs, JSON) go to $OUT, or gpu-results/ where OUT is unset.
@@ -126,6 +127,12 @@ for stage in ${*:-tests rollout sync learner train}; do
       run rollout_7b_w8a8_profile qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --formats bf16,w8a8 \
           --concurrency 512 --prompt-len 256 --gen-len 512 --peer-concurrency "" --repeats 1 \
           --profile "$out/profile_512" --profile-seqs 512 --json "$out/rollout_7b_w8a8_profile.json" ;;
+    rollout-w8a8-separate)
+      # the same engines with vLLM's engine core in its own process, so the frontend's per-sequence
+      # output work (a logprob per token) overlaps the GPU: is 256-512 sequences host-bound?
+      run rollout_7b_w8a8_separate qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --formats bf16,w8a8 \
+          --concurrency 256,512 --prompt-len 256 --gen-len 512 --peer-concurrency "" --repeats 1 \
+          "${separate[@]}" --json "$out/rollout_7b_w8a8_separate.json" ;;
     int4-levers)
       # the kernel and LoRA-stream levers on the int4 engine (compare with the formats stage)
       lever int4_marlin --formats int4 --peer-concurrency "" --repeats 2 rollout.linear_backend=marlin
