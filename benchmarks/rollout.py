@@ -125,11 +125,14 @@ def bench_rollout(config: QerlConfig, args: RolloutBenchArgs, log=print) -> dict
                 if adapter is not None:
                     pool.update_adapter(adapter)
                 kernels = ray.get(worker.linear_kernels.remote())
-                log(f"[qerl]   {policy_format}: linear layers served by {', '.join(kernels) or 'no quantized kernel'}")
+                schedule = ray.get(worker.engine_schedule.remote())
+                log(f"[qerl]   {policy_format}: linear layers served by {', '.join(kernels) or 'no quantized kernel'}; "
+                    f"CUDA graphs {schedule['cudagraph_mode']}, async scheduling "
+                    f"{'on' if schedule['async_scheduling'] else 'off'}")
                 for seqs in args.concurrency:
                     row = _timed_concurrency(pool, seqs, n, prompt_len, gen_len, model_config.vocab_size, args.repeats,
                                              log)
-                    rows.append({"format": policy_format, "kernels": kernels, **row})
+                    rows.append({"format": policy_format, "kernels": kernels, **schedule, **row})
                 device = ray.get(worker.device.remote())
                 bandwidth = bandwidth or ray.get(worker.copy_bandwidth.remote())
                 if args.profile:

@@ -44,6 +44,12 @@ class BenchWorker(RolloutWorker):
         MacheteLinearKernel), read from the engine's own layers."""
         return sorted(set(self.llm.collective_rpc(_linear_kernel_names)[0]))
 
+    def engine_schedule(self) -> dict:
+        """How the engine runs its steps, as its worker resolved it: the CUDA-graph mode (vLLM may
+        lower the configured one for the attention backend or LoRA) and async scheduling (the
+        next step scheduled while the GPU runs this one)."""
+        return self.llm.collective_rpc(_engine_schedule)[0]
+
     def time_load_phases(self, enabled: bool) -> None:
         self.llm.collective_rpc("qerl_time_load_phases", args=(enabled,))
 
@@ -68,6 +74,14 @@ def _linear_kernel_names(worker) -> list[str]:
             if kernel is not None:
                 names.append(type(kernel).__name__)
     return names
+
+
+def _engine_schedule(worker) -> dict:
+    """Runs inside vLLM's worker: its own resolved config (the front end's copy, in another
+    process, does not see what the model runner changed at start-up)."""
+    config = worker.vllm_config
+    return {"cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+            "async_scheduling": bool(config.scheduler_config.async_scheduling)}
 
 
 def bench_rollout_config(rollout: RolloutConfig, random_weights: bool, max_model_len: int) -> RolloutConfig:

@@ -33,6 +33,8 @@ def test_bench_rollout_measures_vllm_the_profile_and_the_hf_peer(ray_local, tmp_
         assert row["tok_per_s"] == sorted(row["tok_per_s_runs"])[1]  # the median of the timed runs
         assert row["adapter_versions"] == [1]  # every completion came from the pushed adapter
         assert row["floor_tok_per_s"] > row["tok_per_s"] > 0
+        # what the engine's worker resolved: the CPU config runs eager
+        assert row["cudagraph_mode"] == "NONE" and isinstance(row["async_scheduling"], bool)
     assert rows[8]["ratio_to_peer"] == pytest.approx(rows[8]["tok_per_s"] / rows[8]["peer_tok_per_s"])
     assert rows[16]["peer_tok_per_s"] is None
     assert report["peer"]["gen_len"] == 6
