@@ -54,6 +54,47 @@ def test_per_token_rounding_is_vllms_cuda_kernel_bit_for_bit(tokens, dtype):
     assert scales_off == 0 and codes_off == 0, candidates
 
 
+@pytest.mark.parametrize("emulate_division", [False, True])
+def test_compiled_quant_fp8_on_a_gpu_scales_by_amax_times_the_rounded_reciprocal(emulate_division, monkeypatch):
+    """What a compiled engine (enforce_eager off) runs: QuantFP8.forward_native under Inductor.
+    Read in Inductor's source (docs/formats.md): a division by a constant becomes a product with
+    the constant's fp32 reciprocal off the CPU, so the scale is amax x fl32(1/448), and
+    reciprocal() is Triton's approximate division unless TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING
+    asks for div_rn. This checks both on the GPU's torch, and reports what the learner's rounding
+    modes would miss."""
+    import torch._inductor.config as inductor_config
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    numerics = getattr(inductor_config, "eager_numerics", None)
+    if emulate_division:
+        if numerics is None or not hasattr(numerics, "division_rounding"):
+            pytest.skip(f"torch {torch.__version__}'s Inductor has no eager_numerics.division_rounding")
+        monkeypatch.setattr(numerics, "division_rounding", True)
+    torch._dynamo.reset()
+    x = _activations(256, 3584, torch.bfloat16, seed=11)
+    with set_current_vllm_config(VllmConfig()):
+        quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
+        codes, scale = torch.compile(quant.forward_native, fullgraph=True, dynamic=False)(x)
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True)
+    by_constant = torch.clamp(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32), min=1.0 / (448 * 512))
+    divided = torch.clamp(amax / 448.0, min=1.0 / (448 * 512))
+    report = dict(
+        torch=torch.__version__,
+        scales_off_by_constant=(scale.reshape(-1) != by_constant.reshape(-1)).sum().item(),
+        scales_off_divided=(scale.reshape(-1) != divided.reshape(-1)).sum().item(),
+        codes_off_by_constant_ieee_reciprocal=_codes_off(codes, _to_fp8(x32 * by_constant.reciprocal())),
+        codes_off_learner_reciprocal=_codes_off(codes, quantize_per_token(x, reciprocal=True)[0]),
+        codes_off_learner_divide=_codes_off(codes, quantize_per_token(x)[0]),
+        numel=x.numel())
+    print(report)
+    assert report["scales_off_by_constant"] == 0, report
+    if emulate_division:
+        assert report["codes_off_by_constant_ieee_reciprocal"] == 0, report
+
+
 def _codes_off(codes: torch.Tensor, ours: torch.Tensor) -> int:
     return (codes.view(torch.uint8) != ours.view(torch.uint8)).sum().item()
 
