@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.fp8_layers import Fp8Linear, fp8_matmul, quantize_per_token, scaled_matmul
+from learner.fp8_layers import FP8_MAX, MIN_SCALE, Fp8Linear, fp8_matmul, quantize_per_token, scaled_matmul
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +39,7 @@ def test_per_token_rounding_is_vllms_cuda_kernel_bit_for_bit(tokens, dtype):
     # the candidates' counts say which rounding the kernel does when it is not ours: the scale as
     # amax times a rounded 1/448 (fast math), then the values divided by it or times its reciprocal
     x32 = x.float()
-    by_constant = torch.clamp(x32.abs().amax(dim=-1, keepdim=True) * (1.0 / 448.0), min=1.0 / (448 * 512))
+    by_constant = _scale_by_constant(x32)
     candidates = dict(
         scales_off=scales_off, codes_off=codes_off, reciprocal_off=_codes_off(codes, by_reciprocal),
         by_constant_scales_off=(scale.reshape(-1) != by_constant.reshape(-1)).sum().item(),
@@ -78,21 +78,26 @@ def test_compiled_quant_fp8_on_a_gpu_scales_by_amax_times_the_rounded_reciprocal
         quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
         codes, scale = torch.compile(quant.forward_native, fullgraph=True, dynamic=False)(x)
     x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True)
-    by_constant = torch.clamp(amax * torch.tensor(1.0 / 448.0, dtype=torch.float32), min=1.0 / (448 * 512))
-    divided = torch.clamp(amax / 448.0, min=1.0 / (448 * 512))
+    by_constant = _scale_by_constant(x32)
+    divided_codes, divided = quantize_per_token(x)  # amax / 448, the learner's scale
     report = dict(
         torch=torch.__version__,
         scales_off_by_constant=(scale.reshape(-1) != by_constant.reshape(-1)).sum().item(),
         scales_off_divided=(scale.reshape(-1) != divided.reshape(-1)).sum().item(),
         codes_off_by_constant_ieee_reciprocal=_codes_off(codes, _to_fp8(x32 * by_constant.reciprocal())),
         codes_off_learner_reciprocal=_codes_off(codes, quantize_per_token(x, reciprocal=True)[0]),
-        codes_off_learner_divide=_codes_off(codes, quantize_per_token(x)[0]),
+        codes_off_learner_divide=_codes_off(codes, divided_codes),
         numel=x.numel())
     print(report)
     assert report["scales_off_by_constant"] == 0, report
     if emulate_division:
         assert report["codes_off_by_constant_ieee_reciprocal"] == 0, report
+
+
+def _scale_by_constant(x32: torch.Tensor) -> torch.Tensor:
+    """max(amax x fl32(1/448), min): the per-token scale with the division by 448 turned into a
+    product with its rounded reciprocal (what fast math or Inductor's constant rewrite does)."""
+    return torch.clamp(x32.abs().amax(dim=-1, keepdim=True) * (1.0 / FP8_MAX), min=MIN_SCALE)
 
 
 def _codes_off(codes: torch.Tensor, ours: torch.Tensor) -> int:
@@ -113,7 +118,7 @@ def _multiplier_misses(x32: torch.Tensor, scale: torch.Tensor) -> dict[int, int]
     misses = {}
     for k in range(-4, 5):
         multiplier = (base + k).view(torch.float32).item()
-        candidate = torch.clamp(amax * multiplier, min=1.0 / (448 * 512))
+        candidate = torch.clamp(amax * multiplier, min=MIN_SCALE)
         misses[k] = (candidate != scale.float()).sum().item()
     return misses
 
