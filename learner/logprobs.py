@@ -3,17 +3,22 @@
 Only completion positions reach the vocabulary projection, a chunk of tokens at a time: the
 full-vocabulary fp32 logits of a micro-batch (16 x 266 tokens x 152k x 4 B = 2.6 GB on a 7B
 model, plus as much again for their log-softmax) never exist at once, and prompt positions are
-never projected. Under autograd each chunk's logits are recomputed in backward instead of kept.
+never projected. Under autograd only each chunk's hidden states and log-normalisers are kept: its
+logits are recomputed in backward (one GEMM) and turned straight into their gradient. On a GPU
+the work over the vocabulary (log-normaliser, chosen logprob and entropy in forward, the logits'
+gradient in backward) runs as compiled kernels that read the 16-bit logits once, instead of a
+dozen eager fp32 passes over them (the 7B learner profile in BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import cache
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 LOGIT_CHUNK_TOKENS = 2048
 """Completion tokens projected onto the vocabulary at once: 2048 x 152k fp32 logits = 1.2 GB."""
@@ -57,15 +62,60 @@ def _rows(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> _Rows:
                  max(len(completion) for _, completion in pairs))
 
 
-def _chunk_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                  temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(h W^T / T)[target] and the entropy, for a chunk of token positions."""
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    normaliser = torch.logsumexp(logits, dim=-1)
-    chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
-    with torch.no_grad():
-        entropy = normaliser - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return chosen, entropy
+def _vocabulary_scores(logits: torch.Tensor, targets: torch.Tensor,
+                       temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From a chunk's logits h W^T: log softmax(logits / T)[target], the log-normaliser and the
+    entropy, all in fp32."""
+    scaled = logits.float() / temperature
+    normaliser = torch.logsumexp(scaled, dim=-1)
+    chosen = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normaliser
+    probs = torch.exp(scaled - normaliser.unsqueeze(-1))
+    entropy = normaliser - (probs * scaled).sum(-1)
+    return chosen, normaliser, entropy
+
+
+def _logits_gradient(logits: torch.Tensor, targets: torch.Tensor, normaliser: torch.Tensor, grad_chosen: torch.Tensor,
+                     temperature: float) -> torch.Tensor:
+    """d(chosen)/d(logits) x the incoming gradient: (onehot(target) - softmax(logits / T)) x g / T,
+    in the logits' dtype (what autograd of `_vocabulary_scores` gives, cast back for the GEMM)."""
+    probs = torch.exp(logits.float() / temperature - normaliser.unsqueeze(-1))
+    onehot = torch.zeros_like(probs).scatter_(-1, targets.unsqueeze(-1), 1.0)
+    return ((onehot - probs) * (grad_chosen / temperature).unsqueeze(-1)).to(logits.dtype)
+
+
+@cache
+def _compiled(function: Callable) -> Callable:
+    # dynamic: the last chunk of every micro-batch has its own length
+    return torch.compile(function, dynamic=True)
+
+
+def _on(device: torch.device, function: Callable) -> Callable:
+    """`function` compiled on a GPU (a fused reduction over the vocabulary), eager elsewhere."""
+    return _compiled(function) if device.type == "cuda" else function
+
+
+class _ChunkScores(torch.autograd.Function):
+    """(chosen logprob, entropy) of a chunk of positions; the entropy is reported, not trained."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden, weight, bias)
+        chosen, normaliser, entropy = _on(logits.device, _vocabulary_scores)(logits, targets, temperature)
+        ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return chosen, entropy
+
+    @staticmethod
+    def backward(ctx, grad_chosen: torch.Tensor, _grad_entropy: torch.Tensor):
+        hidden, weight, bias, targets, normaliser = ctx.saved_tensors
+        logits = F.linear(hidden, weight, bias)  # recomputed: never kept between the passes
+        grad_logits = _on(logits.device, _logits_gradient)(logits, targets, normaliser, grad_chosen, ctx.temperature)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None
 
 
 def lora_in_compute_dtype(head_weight: torch.Tensor):
@@ -113,10 +163,7 @@ def completion_logprobs(
     for first in range(0, picked.shape[0], LOGIT_CHUNK_TOKENS):
         args = (picked[first : first + LOGIT_CHUNK_TOKENS], head.weight, head.bias,
                 targets[first : first + LOGIT_CHUNK_TOKENS], temperature)
-        if torch.is_grad_enabled() and picked.requires_grad:
-            scores = checkpoint(_chunk_scores, *args, use_reentrant=False)
-        else:
-            scores = _chunk_scores(*args)
+        scores = _ChunkScores.apply(*args)
         chosen.append(scores[0])
         entropy.append(scores[1])
     shape = (len(pairs), batch.longest)

@@ -137,18 +137,20 @@ def test_importance_metrics_are_reported(tiny_model, tmp_path):
 
 def _full_vocabulary_logprobs(model, pairs, temperature):
     """The reference: the whole model's logits at every position, log-softmax, then gather."""
-    rows = []
+    rows, entropies = [], []
     for prompt, completion in pairs:
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
         logp = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)], dim=-1)
         rows.append(logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1))
-    return rows
+        entropies.append(-(logp.exp() * logp).sum(-1).detach())
+    return rows, entropies
 
 
 @pytest.mark.parametrize("chunk", [2048, 3])
 def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_model, tmp_path, monkeypatch, chunk):
-    """Logits of completion positions only, a few tokens at a time, recomputed in backward: the
-    same logprobs and gradients as the whole model's log-softmax, unpadded row by row."""
+    """Logits of completion positions only, a few tokens at a time, recomputed in backward and
+    turned straight into their gradient: the same logprobs, entropies and gradients as the whole
+    model's log-softmax, unpadded row by row."""
     import learner.logprobs as logprobs
 
     monkeypatch.setattr(logprobs, "LOGIT_CHUNK_TOKENS", chunk)
@@ -161,10 +163,12 @@ def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_mo
     scores.logprobs.sum().backward()
     chunked = [p.grad.clone() for p in learner.lora_params]
     learner.optimizer.zero_grad()
-    reference = _full_vocabulary_logprobs(learner.model, pairs, 0.7)
+    reference, reference_entropy = _full_vocabulary_logprobs(learner.model, pairs, 0.7)
     torch.stack([row.sum() for row in reference]).sum().backward()
-    for row, (_, completion), want in zip(scores.logprobs, pairs, reference):
+    for row, entropy, (_, completion), want, want_entropy in zip(scores.logprobs, scores.entropy, pairs, reference,
+                                                                 reference_entropy):
         assert torch.allclose(row[: len(completion)], want, atol=1e-5)
+        assert torch.allclose(entropy[: len(completion)], want_entropy, atol=1e-4)
         assert torch.all(row[len(completion) :] == 0)
     worst = max(((a - p.grad).abs().max() / p.grad.abs().max()).item() for a, p in zip(chunked, learner.lora_params))
     assert worst < 1e-4, worst

@@ -1,6 +1,6 @@
 """The learner on a GPU: compiled decoder layers (learner.compile_layers, on by default there)
 train as the eager ones for the dense, packed 4-bit and W8A8 bases, with LoRA computing in bf16
-from fp32 master weights."""
+from fp32 master weights, and the compiled vocabulary scores give the fp32 reference."""
 
 from __future__ import annotations
 
@@ -38,3 +38,27 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients(tiny_model, tmp_pat
     eager, compiled = torch.cat([g.flatten() for g in eager_grads]), torch.cat([g.flatten() for g in compiled_grads])
     relative = ((compiled - eager).norm() / eager.norm()).item()
     assert eager.norm() > 0 and relative < 5e-2, relative
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [2048, 301])
+def test_the_fused_vocabulary_scores_on_the_gpu_give_the_fp32_reference(tokens):
+    """The compiled log-normaliser, chosen logprob, entropy and logits' gradient over a 152k
+    vocabulary (bf16 head, as a 7B learner has) against plain fp32 autograd on the same logits."""
+    from learner.logprobs import _ChunkScores
+
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = (torch.randn(tokens, 512, generator=generator) * 0.5).to(torch.bfloat16).cuda().requires_grad_()
+    weight = (torch.randn(152064, 512, generator=generator) * 0.05).to(torch.bfloat16).cuda()
+    targets = torch.randint(0, 152064, (tokens,), generator=generator).cuda()
+    chosen, entropy = _ChunkScores.apply(hidden, weight, None, targets, 0.7)
+    chosen.sum().backward()
+    fused_grad, hidden.grad = hidden.grad.float(), None
+    logp = torch.log_softmax(torch.nn.functional.linear(hidden, weight).float() / 0.7, dim=-1)
+    want = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want.sum().backward()
+    assert torch.allclose(chosen, want, atol=1e-4, rtol=1e-5), (chosen - want).abs().max()
+    assert torch.allclose(entropy, -(logp.exp() * logp).sum(-1).detach(), atol=1e-3, rtol=1e-5)
+    # the same bf16 logits' gradient feeds the same bf16 GEMM: only fp32 summation order differs
+    relative = ((fused_grad - hidden.grad.float()).norm() / hidden.grad.float().norm()).item()
+    assert relative < 1e-2, relative
