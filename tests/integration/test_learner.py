@@ -220,8 +220,10 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
     want = fp32.logprobs(pairs, 1.0)
     got = bf16.logprobs(pairs, 1.0)
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
-    worst = max(abs(a - b) for row, ref in zip(got, want) for a, b in zip(row, ref))
-    assert worst < 0.05, worst
+    gaps = torch.tensor([abs(a - b) for row, ref in zip(got, want) for a, b in zip(row, ref)])
+    # bf16 rounding: the worst token depends on the CPU's bf16 kernels (0.054 with AVX-512 BF16,
+    # mean 0.011); dropping the adapter moves the mean by 0.2
+    assert gaps.mean() < 0.03 and gaps.max() < 0.1, gaps
     before = [p.detach().clone() for p in bf16.lora_params]
     stats = bf16.train_step(train_samples(), 1.0)
     assert math.isfinite(stats["learner/loss"]) and stats["learner/grad_norm"] > 0
