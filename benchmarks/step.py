@@ -174,7 +174,8 @@ def bench_step(config: QerlConfig, args: StepBenchArgs, log=print) -> dict:
     print_table(["format", "step s", f"vs {rows[0]['format']}", "rollout s", "learner s", f"vs {rows[0]['format']}",
                  "sync s", "learner tok/s", "MFU", "padding (unsorted)", "learner GiB", "GPU used GiB"],
                 [[r["format"], r["step_s"], r["step_vs_first"], r["rollout_s"], r["learner_s"], r["learner_vs_first"],
-                  r["sync_s"], r["learner_tok_per_s"], r["learner_mfu"],
+                  r["sync_s"], r["learner_tok_per_s"],
+                  "-" if r["learner_mfu"] is None else f"{r['learner_mfu']:.1%}",
                   f"{r['padding_frac']:.1%} ({r['padding_frac_unsorted']:.1%})", r["learner_peak_gib"],
                   r["gpu_used_gib"]] for r in rows], log)
     write_json(args.json, result, log)
