@@ -189,8 +189,8 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
         PolicyFormat("w8a8", "w8a8", "w8a8", True, ("cuda",), _16BIT,
                      "learner and engines hold the same fp8 weights (per-channel scales) and round activations "
                      "per token to fp8 alike: FP8 tensor cores on the GPU",
-                     caveat="experimental: the learner's per-token fp8 scales do not yet match vLLM's CUDA "
-                            "kernel bit for bit (docs/formats.md, issue 26); check "
+                     caveat="experimental: its roundings equal vLLM's fp8 kernels, but the engine's KL to the "
+                            "learner is not measured yet (docs/formats.md, issue 26); check "
                             "`qerl bench fidelity --formats bf16,w8a8` first"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
                      "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
