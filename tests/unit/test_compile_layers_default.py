@@ -1,5 +1,5 @@
 """learner.compile_layers: auto compiles the decoder layers on a GPU for bases whose compiled
-layers were checked against the eager ones there (dense, NF4, int4), not for NVFP4 or fp8 ones;
+layers were checked against the eager ones there (dense, NF4, int4, NVFP4), not for fp8 ones;
 true and false are taken as they are."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _base(layer: nn.Module) -> nn.Module:
 @pytest.mark.parametrize(("layer", "on_gpu"), [
     (nn.Linear(32, 32), True),
     (Int4Linear(32, 32, group_size=32, scale_dtype=torch.bfloat16), True),
-    (Nvfp4Linear(32, 32), False),
+    (Nvfp4Linear(32, 32), True),
     (Fp8Linear(32, 32), False),
 ])
 def test_auto_compiles_on_a_gpu_the_checked_bases_only(layer, on_gpu):
@@ -32,6 +32,6 @@ def test_auto_compiles_on_a_gpu_the_checked_bases_only(layer, on_gpu):
 
 
 def test_an_explicit_setting_wins():
-    nvfp4 = _base(Nvfp4Linear(32, 32))
-    assert compiles_layers(LearnerConfig(compile_layers=True), nvfp4, "cuda") is True
+    fp8 = _base(Fp8Linear(32, 32))
+    assert compiles_layers(LearnerConfig(compile_layers=True), fp8, "cuda") is True
     assert compiles_layers(LearnerConfig(compile_layers=False), _base(nn.Linear(32, 32)), "cuda") is False
