@@ -187,7 +187,7 @@ for stage in ${*:-tests rollout sync learner train}; do
     learner-tests)
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
-      run learner_tests python3 -m pytest -m gpu -q -rs --show-capture=no -p no:cacheprovider tests/integration/test_learner_gpu.py ;;
+      run learner_tests python3 -m pytest -m gpu -q -rsxP --show-capture=stdout -p no:cacheprovider tests/integration/test_learner_gpu.py ;;
     w8a8-tests)
       # issue 26: the W8A8 pair's activation rounding and fp8 GEMM against vLLM's kernels, and an engine
       # with LoRA on the learner's folder against the learner (eager and compiled)
