@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from learner.fp8_layers import Fp8Linear, set_activation_rounding
+from learner.fp8_layers import set_activation_rounding
 from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
@@ -83,7 +83,7 @@ class Learner:
         self.model = model
         keep_lora_inputs_in_base_dtype(model)
         device_type = next(model.parameters()).device.type
-        self.compiled_layers = compile_decoder_layers(model) if compiles_layers(config, model, device_type) else 0
+        self.compiled_layers = compile_decoder_layers(model) if compiles_layers(config, device_type) else 0
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served
@@ -365,13 +365,11 @@ def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Ten
     }
 
 
-def compiles_layers(config: LearnerConfig, model: torch.nn.Module, device_type: str) -> bool:
-    """`auto`: on a GPU, unless the base has fp8 layers, whose compiled layers do not give the
-    eager gradients in bf16 on the GPU (docs/training.md; not understood yet). NVFP4's do since
-    its matmul became a custom op inside the layer's graph."""
+def compiles_layers(config: LearnerConfig, device_type: str) -> bool:
+    """`auto`: on a GPU, for every base (fp8 ones with `learner.model.inductor_options`); a CPU
+    runs the layers eager."""
     if config.compile_layers == "auto":
-        unchecked = any(isinstance(m, Fp8Linear) for m in model.modules())
-        return device_type == "cuda" and not unchecked
+        return device_type == "cuda"
     return config.compile_layers
 
 

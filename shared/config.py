@@ -222,8 +222,8 @@ class LearnerConfig(_Strict):
     compile_layers: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer (dynamic shapes: one graph serves every layer and
     micro-batch width), fusing the norms, rotary, SwiGLU, LoRA and 4-bit rebuilds between the
-    GEMMs. auto: on a GPU for dense, NF4, int4 and NVFP4 bases (fp8 ones stay eager until their
-    compiled gradients match the eager ones there); off on a CPU, where compiling takes longer
+    GEMMs. auto: on a GPU for every base (fp8 ones with Inductor rounding to 16 bits where eager
+    PyTorch does, `learner.model.inductor_options`); off on a CPU, where compiling takes longer
     than short runs save."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per rollout batch, each on an equal slice of it. The PPO ratio is taken
