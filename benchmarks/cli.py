@@ -100,6 +100,14 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     fidelity.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=(),
                           help="policy formats to compare (default: every one this machine serves)")
     fidelity.add_argument("--prompts", type=at_least(1), default=32, help="task prompts sampled per format")
+    sensitivity = kinds.add_parser("sensitivity", help="KL from a one-ulp 16-bit difference (attention kernel, norm "
+                                                       "rounding) per learner format, no engine")
+    _common(sensitivity)
+    sensitivity.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f),
+                             default=("bf16", "w8a8"), help="learner formats; ratios to bf16 where it is one")
+    sensitivity.add_argument("--sequences", type=at_least(1), default=64)
+    sensitivity.add_argument("--prompt-len", type=at_least(1), default=12)
+    sensitivity.add_argument("--gen-len", type=at_least(1), default=48)
     fleet = kinds.add_parser("fleet", help="rollout tok/s of 1, 2, 4... workers, adapter push included; dispatch")
     _common(fleet)
     fleet.add_argument("--workers", type=ints, default=(1, 2, 4), help="fleet sizes, e.g. 1,2,4")
@@ -155,6 +163,12 @@ def run_bench(args: argparse.Namespace) -> dict:
         if sweep.pop("shape"):
             raise QerlError("qerl bench fidelity needs real weights: set model.path (or leave it unset for tiny)")
         return bench_fidelity(config, FidelityBenchArgs(**sweep))
+    if args.bench == "sensitivity":
+        from benchmarks.sensitivity import SensitivityBenchArgs, bench_sensitivity
+
+        if sweep.pop("shape"):
+            raise QerlError("qerl bench sensitivity needs real weights: set model.path (or leave it unset for tiny)")
+        return bench_sensitivity(config, SensitivityBenchArgs(**sweep))
     if args.bench == "fleet":
         from benchmarks.fleet import FleetBenchArgs, bench_fleet
 
