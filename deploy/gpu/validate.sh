@@ -193,7 +193,7 @@ for stage in ${*:-tests rollout sync learner train}; do
       # with LoRA on the learner's folder against the learner (eager and compiled)
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
-      run w8a8_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_w8a8_gpu.py ;;
+      run w8a8_tests python3 -m pytest -m gpu -q -rsP --show-capture=stdout -p no:cacheprovider tests/integration/test_w8a8_gpu.py ;;
     w8a8-kernel-tests)
       # the kernel-level half of w8a8-tests (no engines: about a minute)
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
