@@ -189,9 +189,10 @@ POLICY_FORMATS: dict[str, PolicyFormat] = {
         PolicyFormat("w8a8", "w8a8", "w8a8", True, ("cuda",), _16BIT,
                      "learner and engines hold the same fp8 weights (per-channel scales) and round activations "
                      "per token to fp8 alike: FP8 tensor cores on the GPU",
-                     caveat="experimental: its roundings equal vLLM's fp8 kernels, but the engine's KL to the "
-                            "learner is not measured yet (docs/formats.md, issue 26); check "
-                            "`qerl bench fidelity --formats bf16,w8a8` first"),
+                     caveat="experimental: its roundings equal vLLM's fp8 kernels, but its engine-vs-learner KL "
+                            "is about 9x the bf16 pair's (fp8 inputs amplify the attention kernels' one-ulp "
+                            "differences; docs/formats.md, issue 26) and its engine is no faster than bf16 "
+                            "from 256 sequences on"),
         PolicyFormat("nf4-int4", "nf4", "int4", False, ("cpu", "cuda"), _16BIT,
                      "lossy: learner NF4, engines int4 from the source weights; TIS corrects"),
         PolicyFormat("nf4-fp8", "nf4", "fp8", False, ("cuda",), _16BIT,
