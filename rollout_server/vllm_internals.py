@@ -15,8 +15,9 @@ calls `qerl_init` once, right after the engine starts, to create the extension's
   device in one copy (on a GPU through a pinned staging buffer the extension keeps), is
   registered in the worker's LoRA cache under an integer id and activated at once. A later
   `LoRARequest` with that id finds it loaded and never reads its (placeholder) path.
-- Exact division in a compiled w8a8 engine: Inductor's Triton kernels divide approximately
-  unless asked otherwise (`exact_inductor_division`), which the learner could not copy.
+- Exact division and eager 16-bit casts in a compiled w8a8 engine: Inductor's Triton kernels
+  divide approximately and skip the bf16 roundings of fused ops unless asked otherwise
+  (`exact_inductor_division`), which the learner could not copy.
 - AQN: fresh Gaussian noise on the weights of vLLM's own RMSNorm modules; the clean weights are
   kept at init and restored before each new draw, so sigma 0 restores them exactly.
 """
@@ -34,7 +35,7 @@ import torch
 
 from shared.adapter_payload import decode_adapter
 from shared.config import RolloutConfig
-from shared.formats import EXACT_DIVISION_ENV, POLICY_FORMATS, release_line
+from shared.formats import EXACT_CASTS_ENV, EXACT_DIVISION_ENV, POLICY_FORMATS, release_line
 
 SUPPORTED_VLLM_LINES = ("0.26", "0.32")
 IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; never read
@@ -42,10 +43,12 @@ IN_MEMORY_LORA_PATH = "qerl-in-memory-adapter"  # LoRARequest demands a path; ne
 
 def exact_inductor_division() -> None:
     """Inductor's Triton kernels in this process, and in engine processes it starts, divide with
-    IEEE rounding: a compiled w8a8 engine's 1 / scale is then the learner's ("by_constant" in
-    shared.formats.FP8_ROUNDINGS). torch reads the variable when Inductor's config is first
-    imported, which may have happened already: the setting is made there too."""
+    IEEE rounding and round to 16 bits where eager PyTorch does: a compiled w8a8 engine's
+    1 / scale and its norm outputs are then the learner's ("by_constant" in
+    shared.formats.FP8_ROUNDINGS; EXACT_CASTS_ENV). torch reads the variables when Inductor's
+    config is first imported, which may have happened already: the settings are made there too."""
     os.environ[EXACT_DIVISION_ENV] = "1"
+    os.environ[EXACT_CASTS_ENV] = "1"
     import torch._inductor.config as inductor_config
 
     numerics = getattr(inductor_config, "eager_numerics", None)
@@ -53,6 +56,7 @@ def exact_inductor_division() -> None:
         raise RuntimeError(f"torch {torch.__version__}'s Inductor has no eager_numerics.division_rounding: "
                            f"a compiled w8a8 engine would not round as the learner; set rollout.enforce_eager=true")
     numerics.division_rounding = True
+    inductor_config.emulate_precision_casts = True
 
 
 @functools.cache  # asked at every adapter push; the installed version does not change

@@ -147,6 +147,12 @@ EXACT_DIVISION_ENV = "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING"
 """Makes Inductor's Triton kernels divide with IEEE rounding (div_rn) instead of Triton's
 approximate division: without it a compiled engine's 1 / scale is up to 2 ulps off."""
 
+EXACT_CASTS_ENV = "TORCHINDUCTOR_EMULATE_PRECISION_CASTS"
+"""Makes Inductor round to 16 bits wherever eager PyTorch does (the norm's `.to(bf16)` before the
+weight, the residual add) instead of keeping fused intermediates in fp32: the learner rounds
+there, and the fp8 rounding that follows turns a one-ulp difference into a whole fp8 step. The
+learner's own compiled fp8 layers use the same setting (learner.model.inductor_options)."""
+
 
 def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
     """The FP8_ROUNDINGS mode of a w8a8 engine on `engine_device`: an eager CUDA engine runs
@@ -157,7 +163,8 @@ def fp8_activation_rounding(engine_device: str, enforce_eager: bool) -> str:
 
 
 def needs_exact_division(policy_format: str, engine_device: str, enforce_eager: bool) -> bool:
-    """Whether an engine must run with EXACT_DIVISION_ENV for the learner to round as it does."""
+    """Whether an engine must run with EXACT_DIVISION_ENV and EXACT_CASTS_ENV for the learner to
+    round as it does."""
     learner_base = POLICY_FORMATS[policy_format].learner
     return learner_base == "w8a8" and fp8_activation_rounding(engine_device, enforce_eager) == "by_constant"
 

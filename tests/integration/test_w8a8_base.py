@@ -144,13 +144,16 @@ def test_a_w8a8_folder_is_used_as_it_is_and_static_fp8_is_not_taken_for_it(tiny_
     assert not is_packed_folder(static, "w8a8", 128)  # per-tensor static fp8 is another scheme
 
 
-def test_a_compiled_w8a8_worker_asks_inductor_for_exact_division(monkeypatch):
+def test_a_compiled_w8a8_worker_asks_inductor_for_exact_division_and_eager_casts(monkeypatch):
     import torch._inductor.config as inductor_config
 
     from rollout_server.vllm_internals import exact_inductor_division
-    from shared.formats import EXACT_DIVISION_ENV
+    from shared.formats import EXACT_CASTS_ENV, EXACT_DIVISION_ENV
 
     monkeypatch.setattr(inductor_config.eager_numerics, "division_rounding", False)
-    monkeypatch.delenv(EXACT_DIVISION_ENV, raising=False)
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)
+    monkeypatch.setenv(EXACT_DIVISION_ENV, "0")  # setenv, not delenv: restored (unset) after the test
+    monkeypatch.setenv(EXACT_CASTS_ENV, "0")
     exact_inductor_division()
     assert inductor_config.eager_numerics.division_rounding and os.environ[EXACT_DIVISION_ENV] == "1"
+    assert inductor_config.emulate_precision_casts and os.environ[EXACT_CASTS_ENV] == "1"
