@@ -77,7 +77,7 @@ def bench_sensitivity(config: QerlConfig, args: SensitivityBenchArgs, log=print)
         row["kl_vs_bf16"] = row["kl_mean"] / reference[row["perturbation"]] if reference else None
     print_table(["format", "perturbation", "tokens", "KL mean", "vs bf16", "|d| mean", "|d| max"],
                 [[r["format"], r["perturbation"], r["tokens"], f"{r['kl_mean']:.2e}",
-                  f"{r['kl_vs_bf16']:.1f}x" if r["kl_vs_bf16"] else "-", f"{r['abs_diff_mean']:.2e}",
+                  f"{r['kl_vs_bf16']:.1f}x" if r["kl_vs_bf16"] is not None else "-", f"{r['abs_diff_mean']:.2e}",
                   f"{r['abs_diff_max']:.2e}"] for r in rows], log)
     result = {"benchmark": "sensitivity", "args": asdict(args), "config": config.model_dump(),
               "environment": environment_facts(), "device": device, "rows": rows}
