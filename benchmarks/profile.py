@@ -15,16 +15,22 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-# First match wins; names are CUDA kernel names as the profiler records them.
+# First match wins; names are CUDA kernel names as the profiler records them. Inductor names its
+# own kernels (triton_poi_ pointwise, triton_red_ reduction, triton_per_ persistent reduction)
+# after the ops they fuse, including ops they only feed ("..._cutlass_scaled_mm"): they are
+# classified by those ops before the GEMM rule, and never count as GEMMs.
+INDUCTOR = r"^triton_(poi|red|per)_"
 KERNEL_KINDS = [
     ("lora", re.compile(r"lora", re.I)),
     ("attention", re.compile(r"flash|attn|attention|fmha|paged", re.I)),
-    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk|marlin|machete|wna16", re.I)),
-    # the learner's fused rebuild of packed 4-bit weights: inductor names its kernels after their
-    # ops (unpacking the codes: shifts and masks)
+    # the learner's fused rebuild of packed 4-bit weights (unpacking the codes: shifts and masks)
     ("4-bit rebuild", re.compile(r"rshift|bitwise_and", re.I)),
+    # a W8A8 engine's per-token fp8 rounding, which Inductor fuses with the norm or SiLU before it
+    ("fp8 quantization", re.compile(INDUCTOR + r"\w*abs\w*clamp", re.I)),
     ("sampling", re.compile(r"softmax|topk|top_k|sort|multinomial|exponential|argmax|log_softmax|gumbel", re.I)),
-    ("norm/activation", re.compile(r"norm|silu|act_and_mul|rotary|rope", re.I)),
+    ("norm/activation", re.compile(r"norm|silu|act_and_mul|rotary|rope|rsqrt|sigmoid", re.I)),
+    ("fused elementwise", re.compile(INDUCTOR, re.I)),
+    ("gemm", re.compile(r"gemm|gemv|cutlass|cublas|matmul|sm90_xmma|nvjet|splitk|marlin|machete|wna16", re.I)),
     ("copy/fill", re.compile(r"copy|fill|memset|memcpy|cat|index", re.I)),
 ]
 

@@ -34,6 +34,15 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     # inductor names the learner's fused int4 rebuild after its ops
     assert kernel_kind("triton_poi_fused___rshift____to_copy_arange_bitwise_and_clone_expand_mul_sub_0") \
         == "4-bit rebuild"
+    # Inductor's kernels are named after what they fuse and feed, never a GEMM: a W8A8 engine's
+    # norm + fp8 rounding, a compiled RMSNorm (named after its ops), and the rest
+    assert kernel_kind("triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_fused_add_rms_norm_0") \
+        == "fp8 quantization"
+    assert kernel_kind("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1") == "norm/activation"
+    assert kernel_kind("triton_poi_fused_mul_silu_slice_1") == "norm/activation"
+    assert kernel_kind("triton_poi_fused_4") == "fused elementwise"
+    assert kernel_kind("void cutlass::device_kernel<vllm::cutlass_3x_gemm_sm90_fp8>") == "gemm"
+    assert kernel_kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor>") == "copy/fill"
 
 
 def test_bench_fleet_bad_sweeps():
