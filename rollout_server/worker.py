@@ -140,6 +140,10 @@ class RolloutWorker:
                 temperature=sampling.temperature,
                 max_tokens=sampling.limit(first_prompt + index),
                 logprobs=0,
+                # three flat lists a completion instead of a dict and a Logprob object a token: 512
+                # sequences x 512 tokens made 262k of each per generate for the host to build and
+                # the garbage collector to walk
+                flat_logprobs=True,
                 seed=prompt_seed(sampling.seed, first_prompt + index) if self.request_seeds else None,
                 ignore_eos=sampling.ignore_eos,
                 detokenize=False,  # the driver decodes what it scores; vLLM would do it per step, in the loop
@@ -159,7 +163,7 @@ class RolloutWorker:
             Completion(
                 prompt_index=index,
                 token_ids=list(sample.token_ids),
-                logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                logprobs=sampled_logprobs(sample.logprobs, sample.token_ids),
                 finish_reason=str(sample.finish_reason),
                 adapter_version=self.adapter_version,
                 sigma=self.sigma,
@@ -240,3 +244,13 @@ def _vllm_rank(rank: int) -> int:
         if rank <= allowed:
             return allowed
     raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank 512")
+
+
+def sampled_logprobs(logprobs, token_ids) -> list[float]:
+    """The logprob of each sampled token. With `logprobs=0` and `flat_logprobs` vLLM keeps one
+    entry a position, the sampled token's, in flat lists: read them as they are. Otherwise (any
+    other layout) look each sampled token up in its position's dict."""
+    if list(getattr(logprobs, "token_ids", ())) == list(token_ids) and len(logprobs.logprobs) == len(token_ids):
+        return list(logprobs.logprobs)
+    return [step[token].logprob for step, token in zip(logprobs, token_ids)]
+
