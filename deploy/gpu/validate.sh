@@ -20,7 +20,8 @@
 # with and without dual-stream LoRA; fleet-gpus (2 or more GPUs) the fleet at one GPU per worker and
 # a training with the learner and the workers on GPUs of their own; rebuild-tests checks the fused
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
-# of the 7B bf16 and int4 pairs sharing the GPU, step-7b-80g the same on long-tailed completion
+# of the 7B bf16 and int4 pairs sharing the GPU (FORMATS: others; GPU_GIB: a --gpu-memory-gib, 76 on an
+# 80 GB card), step-7b-80g the same on long-tailed completion
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
 # write-32b-int4 then step-32b the 32B int4 pair; step-7b-profile one pair's step (FORMAT, default int4)
 # with its learner phase profiled; learner-tests the learner's GPU tests; learner-profile
@@ -211,11 +212,11 @@ for stage in ${*:-tests rollout sync learner train}; do
           rollout.enforce_eager=false rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
           lora.rank=8 lora.alpha=16 --json "$out/fidelity_w8a8_tiny_compiled.json" ;;
     step-7b)
-      run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
-          --steps "${STEPS:-2}" --json "$out/step_7b.json" ;;
+      run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats "${FORMATS:-bf16,int4}" \
+          --steps "${STEPS:-2}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_7b.json" ;;
     step-7b-nvfp4)
       run step_7b_nvfp4 qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats nvfp4 \
-          --steps "${STEPS:-2}" --json "$out/step_7b_nvfp4.json" ;;
+          --steps "${STEPS:-2}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_7b_nvfp4.json" ;;
     write-32b-int4)
       # the 32B packed int4 folder where qerl bench step looks for it (about 3.5 minutes)
       run write_32b_int4 python3 -c "from benchmarks.step import packed_shape_folder as f; \
