@@ -157,17 +157,15 @@ def run_bench(args: argparse.Namespace) -> dict:
         from benchmarks.sync import SyncBenchArgs, bench_sync
 
         return bench_sync(config, SyncBenchArgs(**sweep))
+    if args.bench in ("fidelity", "sensitivity") and sweep.pop("shape"):
+        raise QerlError(f"qerl bench {args.bench} needs real weights: set model.path (or leave it unset for tiny)")
     if args.bench == "fidelity":
         from benchmarks.fidelity import FidelityBenchArgs, bench_fidelity
 
-        if sweep.pop("shape"):
-            raise QerlError("qerl bench fidelity needs real weights: set model.path (or leave it unset for tiny)")
         return bench_fidelity(config, FidelityBenchArgs(**sweep))
     if args.bench == "sensitivity":
         from benchmarks.sensitivity import SensitivityBenchArgs, bench_sensitivity
 
-        if sweep.pop("shape"):
-            raise QerlError("qerl bench sensitivity needs real weights: set model.path (or leave it unset for tiny)")
         return bench_sensitivity(config, SensitivityBenchArgs(**sweep))
     if args.bench == "fleet":
         from benchmarks.fleet import FleetBenchArgs, bench_fleet

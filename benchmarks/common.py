@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
 from shared.config import QerlConfig
-from shared.formats import BASE_FORMATS
+from shared.errors import QerlError
+from shared.formats import BASE_FORMATS, POLICY_FORMATS
 
 
 def resolve_bench_model(shape: str | None, config: QerlConfig) -> tuple[Path, bool]:
@@ -60,6 +62,21 @@ def sync_device(device: str) -> None:
     """Wait for queued GPU work, so that wall-clock timings cover it."""
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def check_policy_formats(formats: tuple[str, ...]) -> None:
+    """A one-line error naming every --formats entry that is not a policy format."""
+    unknown = [f for f in formats if f not in POLICY_FORMATS]
+    if unknown:
+        raise QerlError(f"--formats {','.join(unknown)}: not one of {', '.join(POLICY_FORMATS)}")
+
+
+def logprob_gap(diffs: list[float]) -> dict:
+    """Per-token logprob differences d between two scorings of the same tokens: their count, the
+    KL estimated as exp(d) - 1 - d (mean and max), and |d| (mean and max)."""
+    kls = [math.exp(d) - 1 - d for d in diffs]
+    return {"tokens": len(diffs), "kl_mean": sum(kls) / len(kls), "kl_max": max(kls),
+            "abs_diff_mean": sum(abs(d) for d in diffs) / len(diffs), "abs_diff_max": max(abs(d) for d in diffs)}
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -14,12 +14,11 @@ tokens with the learner. Per sampled token, with d = log pi_learner - log pi_rol
 
 from __future__ import annotations
 
-import math
 import tempfile
 from dataclasses import asdict, dataclass
 from random import Random
 
-from benchmarks.common import environment_facts, print_table, write_json
+from benchmarks.common import check_policy_formats, environment_facts, logprob_gap, print_table, write_json
 from benchmarks.workers import started_ray
 from learner.actor import Learner, LearnerSpec, build_learner
 from rollout_server.pool import RolloutPool
@@ -44,9 +43,7 @@ def bench_fidelity(config: QerlConfig, args: FidelityBenchArgs, log=print) -> di
     from shared.prompts import load_prompt_encoder
 
     formats = args.formats or tuple(POLICY_FORMATS)
-    unknown = [f for f in formats if f not in POLICY_FORMATS]
-    if unknown:
-        raise QerlError(f"--formats {','.join(unknown)}: not one of {', '.join(POLICY_FORMATS)}")
+    check_policy_formats(formats)
     model_path = resolve_model_path(config.model.path, log)
     problems = build_task(config.task).sample(Random(config.train.seed), args.prompts)
     prompt_ids = load_prompt_encoder(model_path, config.task).encode([p.prompt for p in problems])
@@ -92,12 +89,9 @@ def _measure_pair(config: QerlConfig, policy_format: str, model_path: str, promp
         pool.shutdown()
     learner_logprobs = learner.logprobs([(prompt_ids[c.prompt_index], c.token_ids) for c in completions], temperature)
     diffs = [lp - rp for c, row in zip(completions, learner_logprobs) for lp, rp in zip(row, c.logprobs)]
-    kls = [math.exp(d) - 1 - d for d in diffs]
     rollout_entropy = -sum(lp for c in completions for lp in c.logprobs) / len(diffs)
     row = {"format": policy_format, "exact": POLICY_FORMATS[policy_format].exact, "engine_dtype": engine_dtype,
-           "tokens": len(diffs), "kl_mean": sum(kls) / len(kls), "kl_max": max(kls),
-           "abs_diff_mean": sum(abs(d) for d in diffs) / len(diffs), "abs_diff_max": max(abs(d) for d in diffs),
-           "rollout_entropy": rollout_entropy}
+           **logprob_gap(diffs), "rollout_entropy": rollout_entropy}
     log(f"[qerl]   {policy_format}: KL mean {row['kl_mean']:.2e}, max |d| {row['abs_diff_max']:.2e}, "
         f"rollout entropy {rollout_entropy:.4f}")
     return row

@@ -12,14 +12,13 @@ things between the passes:
 - `norm`: HF's RMSNorm (rounds to bf16, then multiplies by the weight in bf16), then one rounding
   of the fp32 product.
 
-Per format it reports the mean KL and |d| between the passes, estimated as `qerl bench fidelity`
-does. Their ratio to bf16's says how much a pair's engine-vs-learner KL can grow over the bf16
-pair's from differences no pair removes.
+Per format it reports the KL and |d| between the passes, estimated as `qerl bench fidelity` does
+(`benchmarks.common.logprob_gap`). Their ratio to bf16's says how much a pair's engine-vs-learner
+KL can grow over the bf16 pair's from differences no pair removes.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -27,11 +26,9 @@ from random import Random
 
 import torch
 
-from benchmarks.common import environment_facts, print_table, write_json
+from benchmarks.common import check_policy_formats, environment_facts, logprob_gap, print_table, write_json
 from learner.actor import Learner, LearnerSpec, build_learner
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig, QerlConfig
-from shared.errors import QerlError
-from shared.formats import POLICY_FORMATS
 
 PERTURBATIONS = ("attention", "norm")
 
@@ -56,9 +53,7 @@ class _Bf16LearnerSpec(LearnerSpec):
 def bench_sensitivity(config: QerlConfig, args: SensitivityBenchArgs, log=print) -> dict:
     from learner.model import resolve_model_path
 
-    unknown = [f for f in args.formats if f not in POLICY_FORMATS]
-    if unknown:
-        raise QerlError(f"--formats {','.join(unknown)}: not one of {', '.join(POLICY_FORMATS)}")
+    check_policy_formats(args.formats)
     model_path = resolve_model_path(config.model.path, log)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"[qerl] bench sensitivity: {args.sequences} sequences of {args.prompt_len} + {args.gen_len} random "
@@ -109,10 +104,7 @@ def _compare(learner: Learner, pairs: list[tuple[list[int], list[int]]], perturb
     reference = learner.logprobs(pairs, 1.0)
     with _perturbed(learner.model, perturbation):
         perturbed = learner.logprobs(pairs, 1.0)
-    diffs = [a - b for row_a, row_b in zip(reference, perturbed) for a, b in zip(row_a, row_b)]
-    kls = [math.exp(d) - 1 - d for d in diffs]
-    return {"tokens": len(diffs), "kl_mean": sum(kls) / len(kls),
-            "abs_diff_mean": sum(abs(d) for d in diffs) / len(diffs), "abs_diff_max": max(abs(d) for d in diffs)}
+    return logprob_gap([a - b for row_a, row_b in zip(reference, perturbed) for a, b in zip(row_a, row_b)])
 
 
 @contextmanager
