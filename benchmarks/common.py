@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -121,3 +123,34 @@ def environment_facts() -> dict:
     else:
         facts["cpu"] = platform.processor() or platform.machine()
     return facts
+
+
+def gemm_floor_tflops() -> float | None:
+    """bf16 TFLOP/s of a 4096 x 3584 x 18944 GEMM on this GPU (a subprocess: no CUDA context
+    stays in the driver); None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    code = ("import torch, time\n"
+            "a = torch.randn(4096, 3584, device='cuda', dtype=torch.bfloat16)\n"
+            "b = torch.randn(3584, 18944, device='cuda', dtype=torch.bfloat16)\n"
+            "for _ in range(5): a @ b\n"
+            "torch.cuda.synchronize(); t = time.perf_counter()\n"
+            "for _ in range(50): a @ b\n"
+            "torch.cuda.synchronize(); print(2 * 4096 * 3584 * 18944 * 50 / (time.perf_counter() - t) / 1e12)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return float(done.stdout.split()[-1]) if done.returncode == 0 else None
+
+
+def learner_gemm_flops(folder: Path, sequence_tokens: float, completion_tokens: float, recompute: bool) -> float:
+    """The learner step's GEMM FLOPs: linear layers 2 (forward) + 2 (input gradient) + 2 (recompute,
+    with gradient checkpointing) FLOPs per weight and real token, the vocabulary projection 6 per
+    completion token."""
+    from transformers import AutoConfig
+
+    from benchmarks.random_adapter import linear_layer_shapes
+
+    config = AutoConfig.from_pretrained(folder)
+    linear = sum(fan_in * fan_out for fan_in, fan_out in linear_layer_shapes(folder).values())
+    head = config.hidden_size * config.vocab_size
+    per_weight = 6 if recompute else 4
+    return per_weight * linear * sequence_tokens + 6 * head * completion_tokens

@@ -69,6 +69,15 @@ def quantized_shape_folder(name: str, scheme: str, group_size: int) -> Path:
     return folder
 
 
+def random_packed_shape_folder(name: str, scheme: str, group_size: int) -> Path:
+    """A loadable folder of the named shape with random int4/NVFP4/W8A8 weights, written once
+    into the qerl cache and reused by later runs (the step and learner benchmarks)."""
+    folder = cache_root_shapes() / f"{name}-{scheme}-g{group_size}-packed"
+    if not (folder / "config.json").is_file():
+        write_random_packed_model(name, folder, scheme, group_size)
+    return folder
+
+
 def cache_root_shapes() -> Path:
     from shared.tiny_model import cache_root
 

@@ -23,7 +23,6 @@ import math
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import environment_facts, print_table, write_json
+from benchmarks.common import environment_facts, gemm_floor_tflops, learner_gemm_flops, print_table, write_json
 from shared.config import QerlConfig
 from shared.errors import QerlError
 from shared.formats import POLICY_FORMATS
@@ -65,25 +64,16 @@ def draw_lengths(count: int, limit: int, mix: str, seed: int) -> list[int]:
     return [min(limit, max(1, round(rng.lognormvariate(mu, LOGNORMAL_SIGMA)))) for _ in range(count)]
 
 
-def packed_shape_folder(shape: str, scheme: str, group_size: int) -> Path:
-    """Where the random packed weights of `shape` are cached (written once, reused by runs)."""
-    from benchmarks.shapes import cache_root_shapes
-
-    return cache_root_shapes() / f"{shape}-{scheme}-g{group_size}-packed"
-
-
 def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run_dir: Path) -> QerlConfig:
     """The run config of one format: its model folder, a scratch run folder, no evaluation or
     periodic checkpoint, the memory budget applied."""
-    from benchmarks.shapes import write_random_packed_model, write_shape_model
+    from benchmarks.shapes import random_packed_shape_folder, write_shape_model
 
     model: dict = {}
     if args.shape is not None:
         engine = POLICY_FORMATS[policy_format].engine
         if engine in ("int4", "nvfp4", "w8a8"):  # random quantized weights, written once into the qerl cache
-            folder = packed_shape_folder(args.shape, engine, config.policy.group_size)
-            if not (folder / "config.json").is_file():
-                write_random_packed_model(args.shape, folder, engine, config.policy.group_size)
+            folder = random_packed_shape_folder(args.shape, engine, config.policy.group_size)
             model = {"path": str(folder), "random_weights": False}
         else:
             model = {"path": str(write_shape_model(args.shape, run_dir.parent / f"{args.shape}-shape")),
@@ -105,35 +95,6 @@ def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run
         "train": config.train.model_copy(update=train),
         "checkpoint": config.checkpoint.model_copy(update={"every": 0, "minutes": 0}),
     })
-
-
-def gemm_floor_tflops() -> float | None:
-    """bf16 TFLOP/s of a 4096 x 3584 x 18944 GEMM on this GPU (a subprocess: no CUDA context
-    stays in the driver); None without a GPU."""
-    if not torch.cuda.is_available():
-        return None
-    code = ("import torch, time\n"
-            "a = torch.randn(4096, 3584, device='cuda', dtype=torch.bfloat16)\n"
-            "b = torch.randn(3584, 18944, device='cuda', dtype=torch.bfloat16)\n"
-            "for _ in range(5): a @ b\n"
-            "torch.cuda.synchronize(); t = time.perf_counter()\n"
-            "for _ in range(50): a @ b\n"
-            "torch.cuda.synchronize(); print(2 * 4096 * 3584 * 18944 * 50 / (time.perf_counter() - t) / 1e12)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    return float(done.stdout.split()[-1]) if done.returncode == 0 else None
-
-
-def learner_gemm_flops(folder: Path, sequence_tokens: float, completion_tokens: float, recompute: bool) -> float:
-    """The learner step's GEMM FLOPs (module docstring)."""
-    from transformers import AutoConfig
-
-    from benchmarks.random_adapter import linear_layer_shapes
-
-    config = AutoConfig.from_pretrained(folder)
-    linear = sum(fan_in * fan_out for fan_in, fan_out in linear_layer_shapes(folder).values())
-    head = config.hidden_size * config.vocab_size
-    per_weight = 6 if recompute else 4
-    return per_weight * linear * sequence_tokens + 6 * head * completion_tokens
 
 
 def gpu_used_gib() -> float | None:
@@ -187,7 +148,13 @@ def _format_row(config: QerlConfig, args: StepBenchArgs, policy_format: str, flo
 
     run = start_run(config, log=lambda line: log(f"[qerl]   {policy_format}: {line.removeprefix('[qerl] ')}"))
     try:
-        steps = [_one_step(run, step, args) for step in range(args.steps + 1)][1:]
+        steps = []
+        for step in range(args.steps + 1):  # step 0 warms up; each logged, so a cut-off run still tells
+            steps.append(_one_step(run, step, args))
+            log(f"[qerl]   {policy_format}: step {step}{' (warm-up)' if step == 0 else ''}: "
+                f"{steps[-1]['step_s']:.2f} s (rollout {steps[-1]['rollout_s']:.2f}, "
+                f"learner {steps[-1]['learner_s']:.2f}, sync {steps[-1]['sync_s']:.2f})")
+        steps = steps[1:]
         profile = _profile_learner(run, args.steps + 1, args, policy_format, log) if args.profile else None
     finally:
         run.close()

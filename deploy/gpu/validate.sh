@@ -23,7 +23,8 @@
 # of the 7B bf16 and int4 pairs sharing the GPU (FORMATS: others; GPU_GIB: a --gpu-memory-gib, 76 on an
 # 80 GB card), step-7b-80g the same on long-tailed completion
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
-# write-32b-int4 then step-32b the 32B int4 pair; step-7b-profile one pair's step (FORMAT, default int4)
+# write-32b-int4 then step-32b the 32B int4 pair (GPU_GIB, KV_GIB); learner-formats the 7B learner alone
+# per base format at one micro-batch (FORMATS), with MFU; step-7b-profile one pair's step (FORMAT, default int4)
 # with its learner phase profiled; learner-tests the learner's GPU tests; learner-profile
 # shows where the bf16 7B learner step goes; w8a8-tests checks the W8A8 pair against vLLM's fp8 kernels
 # and its engine (w8a8-kernel-tests the kernel tests alone), rollout-w8a8 its 7B engine beside bf16 and int4 at
@@ -219,11 +220,26 @@ for stage in ${*:-tests rollout sync learner train}; do
           --steps "${STEPS:-2}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_7b_nvfp4.json" ;;
     write-32b-int4)
       # the 32B packed int4 folder where qerl bench step looks for it (about 3.5 minutes)
-      run write_32b_int4 python3 -c "from benchmarks.step import packed_shape_folder as f; \
-from benchmarks.shapes import write_random_packed_model as w; w('qwen2.5-32b', f('qwen2.5-32b', 'int4', 128), 'int4')" ;;
+      run write_32b_int4 python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; \
+print(f('qwen2.5-32b', 'int4', 128))" ;;
     step-32b)
+      # GPU_GIB: a --gpu-memory-gib; KV_GIB: the engine's KV cache in GiB (the config's 20 GiB beside a
+      # 32B learner does not fit an 80 GB card: try GPU_GIB=76 KV_GIB=10 there)
       run step_32b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-32b --formats int4 \
-          --steps "${STEPS:-1}" --json "$out/step_32b.json" ;;
+          --steps "${STEPS:-1}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_32b.json" \
+          ${KV_GIB:+rollout.kv_cache_memory_bytes=$((KV_GIB * 1073741824))} ;;
+    learner-formats)
+      # the 7B learner alone per base format (FORMATS, default bf16,int4,nvfp4) at one micro-batch of
+      # 16 x 266 tokens, checkpointing off: the ratio at the same micro-batch, and each one's MFU.
+      # The packed folders are written first, side by side (about a minute each)
+      for f in $(echo "${FORMATS:-bf16,int4,nvfp4}" | tr , ' '); do
+        case $f in int4|nvfp4|w8a8) python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; \
+print(f('qwen2.5-7b', '$f', 128))" & ;; esac
+      done
+      wait
+      run learner_formats_7b qerl bench learner --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
+          --formats "${FORMATS:-bf16,int4,nvfp4}" --micro-batches 16 --prompt-len 10 --gen-len 256 --repeats 3 \
+          learner.gradient_checkpointing=false --json "$out/learner_formats_7b.json" ;;
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;

@@ -97,7 +97,21 @@ def test_bench_learner_covers_formats_and_micro_batches():
         assert row["tokens"] == row["micro_batch"] * 16
         assert row["tok_per_s"] * row["step_ms"] / 1e3 == pytest.approx(row["tokens"])
         assert row["loss_finite"] and row["grad_norm"] > 0 and row["export_ms"] > 0
-        assert row["peak_gib"] is None  # no GPU here
+        assert row["peak_gib"] is None and row["mfu"] is None  # no GPU here
+        assert row["compiled_layers"] == 0  # a CPU runs the layers eager
+
+
+def test_bench_learner_holds_packed_formats_as_training_does():
+    """int4 is built as `qerl train` builds its learner: the tiny model quantized into packed
+    layers (a quarter of bf16's bytes for the linear layers), not a dense base."""
+    config = load_config(None, ["lora.rank=8", "lora.alpha=16"])
+    report = bench_learner(config, LearnerBenchArgs(formats=("bf16", "int4"), micro_batches=(2,), prompt_len=8,
+                                                    gen_len=8, repeats=1))
+    bf16, int4 = report["rows"]
+    assert (bf16["base"], int4["base"]) == ("bf16", "int4")
+    assert int4["base_gib"] < 0.75 * bf16["base_gib"]
+    assert int4["loss_finite"] and int4["grad_norm"] > 0
+    assert bf16["step_vs_first"] == 1.0 and int4["step_vs_first"] == pytest.approx(int4["step_ms"] / bf16["step_ms"])
 
 
 def test_a_prompt_longer_than_the_models_context_is_one_line(tiny_model, capsys):
