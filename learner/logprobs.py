@@ -155,8 +155,10 @@ def completion_logprobs(
     device = head.weight.device
     batch = _rows(pairs, pad_id)
     with lora_in_compute_dtype(head.weight):
-        hidden = causal.get_decoder()(input_ids=batch.input_ids.to(device),
-                                      attention_mask=batch.attention.to(device)).last_hidden_state
+        # no KV cache: a training forward has no later step to serve, and a cache makes each
+        # compiled decoder layer guard on its own cache entry (one graph per layer, not one)
+        hidden = causal.get_decoder()(input_ids=batch.input_ids.to(device), attention_mask=batch.attention.to(device),
+                                      use_cache=False).last_hidden_state
     picked = hidden[batch.rows.to(device), batch.predictors.to(device)]  # [tokens, hidden]
     targets = batch.targets.to(device)
     chosen, entropy = [], []
