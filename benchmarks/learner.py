@@ -139,11 +139,13 @@ def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict
         if args.profile:
             from benchmarks.profile import profile_generate
 
-            one_step = partial(learner.train_step, samples, 1.0)
-            summary = profile_generate(one_step, 1, f"{args.profile}/{base_format}", unit="learner step")
+            # no name left holding the learner: the next format's peak memory must not count it
+            summary = profile_generate(partial(learner.train_step, samples, 1.0), 1, f"{args.profile}/{base_format}",
+                                       unit="learner step")
             rows[-1]["profile"] = summary
             log(summary["line"])
         del learner
+        torch._dynamo.reset()  # the next format compiles afresh, as in a learner process of its own
         if device == "cuda":
             torch.cuda.empty_cache()
     first = {}
