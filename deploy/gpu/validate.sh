@@ -145,7 +145,8 @@ for stage in ${*:-tests rollout sync learner train}; do
           --json "$out/rollout_32b_formats.json" ;;
     fidelity)
       # every pair this GPU serves, on the embedded tiny model: KL(rollout||learner), |dlogprob|, entropy
-      run fidelity qerl bench fidelity "${gpu[@]}" --formats bf16,nf4-exact,int4,nvfp4,nf4-int4,nf4-fp8 \
+      # (about 80 s a pair on an H100, more on a first call that builds the tiny model: FORMATS splits it)
+      run fidelity qerl bench fidelity "${gpu[@]}" --formats "${FORMATS:-bf16,nf4-exact,int4,nvfp4,nf4-int4,nf4-fp8}" \
           rollout.enforce_eager=true rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
           lora.rank=8 lora.alpha=16 policy.group_size=64 --json "$out/fidelity_tiny.json" ;;
     fidelity-int4)
