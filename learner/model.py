@@ -106,18 +106,19 @@ def add_lora(model, rank: int, alpha: int, target_modules: str | list[str]):
     return get_peft_model(model, config)
 
 
-def compile_decoder_layers(model) -> int:
+def compile_decoder_layers(model, backend: str = "inductor") -> int:
     """torch.compile every decoder layer of `model` (a causal LM or a peft model around one) in
     place; returns how many. The layers share one graph: dynamo treats a layer's parameters as
-    inputs, and dynamic shapes spare a recompile per micro-batch width."""
+    inputs, and dynamic shapes spare a recompile per micro-batch width. `backend` "eager" traces
+    the same graphs without generating kernels (a quick check of the graph count)."""
     import torch._dynamo
 
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = causal.get_decoder().layers
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    options = inductor_options(model)
+    options = inductor_options(model) if backend == "inductor" else None
     for layer in layers:
-        layer.compile(dynamic=True, options=options)
+        layer.compile(dynamic=True, backend=backend, options=options)
     return len(layers)
 
 

@@ -1,0 +1,38 @@
+"""The learner's compiled decoder layers share one graph (`learner.model.compile_decoder_layers`).
+
+A graph per layer costs a compile per layer and, past dynamo's recompile limit, silently runs
+the rest eager; a KV cache built during the training forward once did exactly that (each layer
+guarded on its own cache entry). dynamo traces a small random Qwen2 of 6 layers on the CPU; the
+graphs are what count, so its eager backend stands in for Inductor's kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from learner.logprobs import completion_logprobs
+from learner.model import add_lora, compile_decoder_layers
+
+
+def _small_qwen2(layers: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).requires_grad_(False)
+
+
+def test_all_decoder_layers_run_one_compiled_graph():
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = add_lora(_small_qwen2(layers=6), rank=4, alpha=8, target_modules="all-linear")
+    assert compile_decoder_layers(model, backend="eager") == 6
+    torch._dynamo.reset()
+    counters.clear()
+    pairs = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]
+    scores = completion_logprobs(model, pairs, 1.0, pad_id=0)
+    (scores.logprobs * scores.mask).sum().backward()
+    # the first layer's input carries no gradient, the others' does: two graphs, whatever the depth
+    assert counters["frames"]["ok"] == 2, dict(counters["frames"])
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
