@@ -231,7 +231,8 @@ print(f('qwen2.5-32b', 'int4', 128))" ;;
           ${KV_GIB:+rollout.kv_cache_memory_bytes=$((KV_GIB * 1073741824))} ;;
     learner-formats)
       # the 7B learner alone per base format (FORMATS, default bf16,int4,nvfp4) at one micro-batch of
-      # 16 x 266 tokens, checkpointing off: the ratio at the same micro-batch, each one's MFU and one profiled step.
+      # 16 x 266 tokens (MICRO_BATCHES: e.g. 16,24), checkpointing off: the ratio at the same micro-batch, each
+      # one's MFU and one profiled step.
       # The packed folders are written first, side by side (about a minute each)
       for f in $(echo "${FORMATS:-bf16,int4,nvfp4}" | tr , ' '); do
         case $f in int4|nvfp4|w8a8) python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; \
@@ -239,7 +240,7 @@ print(f('qwen2.5-7b', '$f', 128))" & ;; esac
       done
       wait
       run learner_formats_7b qerl bench learner --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
-          --formats "${FORMATS:-bf16,int4,nvfp4}" --micro-batches 16 --prompt-len 10 --gen-len 256 --repeats 3 \
+          --formats "${FORMATS:-bf16,int4,nvfp4}" --micro-batches "${MICRO_BATCHES:-16}" --prompt-len 10 --gen-len 256 --repeats 3 \
           --profile "$out/profile_learner" learner.gradient_checkpointing=false --json "$out/learner_formats_7b.json" ;;
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
