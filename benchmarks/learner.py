@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -133,7 +134,7 @@ def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict
                          "tflops": tflops, "mfu": tflops / floor if floor else None,
                          "export_ms": export_ms, "loss_finite": all(math.isfinite(s["learner/loss"]) for s in stats),
                          "grad_norm": stats[-1]["learner/grad_norm"]})
-            mfu = "" if floor is None else f", MFU {tflops / floor:.1%}"
+            mfu = "" if rows[-1]["mfu"] is None else f", MFU {rows[-1]['mfu']:.1%}"
             log(f"[qerl]   {base_format} micro-batch {micro_batch}: {tokens / step_s:,.0f} tok/s, "
                 f"{step_s * 1e3:,.0f} ms{mfu}")
         if args.profile:
@@ -162,7 +163,7 @@ def bench_learner(config: QerlConfig, args: LearnerBenchArgs, log=print) -> dict
 
 
 def _learner(config: QerlConfig, learner_config: LearnerConfig, shape: str | None, folder, is_random: bool,
-             base_format: str, device: str, compute) -> tuple[Learner, object]:
+             base_format: str, device: str, compute) -> tuple[Learner, Path]:
     """The learner of `base_format` and the folder its weights' shapes are read from."""
     lora = config.lora
     if base_format not in PACKED_SCHEMES:

@@ -68,11 +68,12 @@ def step_config(config: QerlConfig, args: StepBenchArgs, policy_format: str, run
     """The run config of one format: its model folder, a scratch run folder, no evaluation or
     periodic checkpoint, the memory budget applied."""
     from benchmarks.shapes import random_packed_shape_folder, write_shape_model
+    from learner.policy import PACKED_SCHEMES
 
     model: dict = {}
     if args.shape is not None:
         engine = POLICY_FORMATS[policy_format].engine
-        if engine in ("int4", "nvfp4", "w8a8"):  # random quantized weights, written once into the qerl cache
+        if engine in PACKED_SCHEMES:  # random quantized weights, written once into the qerl cache
             folder = random_packed_shape_folder(args.shape, engine, config.policy.group_size)
             model = {"path": str(folder), "random_weights": False}
         else:

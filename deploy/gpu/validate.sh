@@ -58,6 +58,9 @@ lever() {  # lever NAME ARGS...: the 7B rollout bench with extra arguments (flag
   run "rollout_7b_$name" qerl bench rollout "${gpu[@]}" --shape qwen2.5-7b --concurrency 16,64,256 \
       --prompt-len 256 --gen-len 512 --peer-format nf4 --formats bf16 --json "$out/rollout_7b_$name.json" "$@"
 }
+write_packed() {  # write_packed SHAPE SCHEME: the random packed folder qerl bench step and learner use
+  python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; print(f('$1', '$2', 128))"
+}
 separate=(rollout.in_process=false)
 unseeded=(rollout.request_seeds=false)
 fp8=(--formats nf4-fp8)  # a later --formats wins over lever's bf16
@@ -221,8 +224,7 @@ for stage in ${*:-tests rollout sync learner train}; do
           --steps "${STEPS:-2}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_7b_nvfp4.json" ;;
     write-32b-int4)
       # the 32B packed int4 folder where qerl bench step looks for it (about 3.5 minutes)
-      run write_32b_int4 python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; \
-print(f('qwen2.5-32b', 'int4', 128))" ;;
+      run write_32b_int4 write_packed qwen2.5-32b int4 ;;
     step-32b)
       # GPU_GIB: a --gpu-memory-gib; KV_GIB: the engine's KV cache in GiB (the config's 20 GiB beside a
       # 32B learner does not fit an 80 GB card: try GPU_GIB=76 KV_GIB=10 there)
@@ -235,8 +237,7 @@ print(f('qwen2.5-32b', 'int4', 128))" ;;
       # one's MFU and one profiled step.
       # The packed folders are written first, side by side (about a minute each)
       for f in $(echo "${FORMATS:-bf16,int4,nvfp4}" | tr , ' '); do
-        case $f in int4|nvfp4|w8a8) python3 -c "from benchmarks.shapes import random_packed_shape_folder as f; \
-print(f('qwen2.5-7b', '$f', 128))" & ;; esac
+        case $f in int4|nvfp4|w8a8) write_packed qwen2.5-7b "$f" & ;; esac
       done
       wait
       run learner_formats_7b qerl bench learner --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
