@@ -23,8 +23,9 @@ INDUCTOR = r"^triton_(poi|red|per)_"
 KERNEL_KINDS = [
     ("lora", re.compile(r"lora", re.I)),
     ("attention", re.compile(r"flash|attn|attention|fmha|paged", re.I)),
-    # the learner's fused rebuild of packed 4-bit weights (unpacking the codes: shifts and masks)
-    ("4-bit rebuild", re.compile(r"rshift|bitwise_and", re.I)),
+    # the learner's rebuild of packed 4-bit weights: its Triton kernels (learner.packed_kernels), or
+    # Inductor's fused unpacking (shifts and masks)
+    ("4-bit rebuild", re.compile(r"rshift|bitwise_and|rebuild", re.I)),
     # a W8A8 engine's per-token fp8 rounding, which Inductor fuses with the norm or SiLU before it
     ("fp8 quantization", re.compile(INDUCTOR + r"\w*abs\w*clamp", re.I)),
     ("sampling", re.compile(r"softmax|topk|top_k|sort|multinomial|exponential|argmax|log_softmax|gumbel", re.I)),

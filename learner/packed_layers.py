@@ -10,18 +10,15 @@ weight however many layers a step goes through. peft puts its LoRA on top throug
 custom-module hook (`packed_lora_config`): GPTQLoraLinear is a generic base(x) + B(A(x)) layer.
 `load_packed_base` also loads W8A8 FP8 folders, into `learner.fp8_layers.Fp8Linear`.
 
-On a GPU the rebuild runs as one fused kernel (`torch.compile` of the same function; eager
-PyTorch spends more time on it than on the GEMM it feeds). Its arithmetic is the reference's
-(bf16 products of exact codes and scales are exact in fp32, then rounded once; NVFP4's division
-by the global scale stays in eager PyTorch), so the GPU test compares the two bit for bit. The
-CPU runs the reference.
+On a GPU the rebuild is one Triton kernel per format (`learner.packed_kernels`; eager PyTorch
+spends more time on it than on the GEMM it feeds, and a `torch.compile`d rebuild costs the host
+more per call than the device). Its arithmetic is the reference's step for step, so the GPU test
+compares the two bit for bit. The CPU runs the reference.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 
 import torch
@@ -58,35 +55,30 @@ def int4_weight(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, gr
 
 
 def nvfp4_weight(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e2m1 values x fp32 group scale (already divided by the global scale), exact in fp32, then
-    rounded once to `dtype`: inside the fused kernel, so no fp32 weight is written and read again."""
+    """e2m1 values x fp32 group scale (already divided by the global scale) in fp32, then rounded
+    once to `dtype`."""
     return (unpack_e2m1(qweight, torch.float32) * scale.repeat_interleave(16, dim=1)).to(dtype)
-
-
-@cache
-def fused(rebuild: Callable) -> Callable:
-    """`rebuild` compiled into one GPU kernel (one graph per weight shape: a 7B model has four)."""
-    import torch._dynamo
-
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(rebuild, dynamic=False, fullgraph=True)
-
-
-def rebuild_on(device: torch.device, rebuild: Callable) -> Callable:
-    return fused(rebuild) if device.type == "cuda" else rebuild
 
 
 def rebuilt_weight(qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None, in_features: int,
                    group_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The dense weight of a packed layer: NVFP4 when it has a global scale, else int4; in
     `dtype` when given (else as compressed-tensors decompresses it: fp32 for NVFP4, the scales'
-    dtype for int4)."""
+    dtype for int4). On a GPU one Triton kernel (`learner.packed_kernels`), on the CPU the reference."""
     if global_scale is not None:
-        return rebuild_on(qweight.device, nvfp4_weight)(qweight, scale.to(torch.float32) / global_scale,
-                                                        dtype or torch.float32)
-    # int4's product is rounded to the scales' dtype first; a cast fused after it could skip that
-    # rounding, so another dtype is a second step (none when the scales are in the compute dtype)
-    weight = rebuild_on(qweight.device, int4_weight)(qweight, scale, in_features, group_size)
+        dtype = dtype or torch.float32
+        if qweight.is_cuda:
+            from learner.packed_kernels import nvfp4_rebuild
+
+            return nvfp4_rebuild(qweight, scale, global_scale, in_features, dtype)
+        # the division by the global scale in fp32, as compressed-tensors' _dequantize
+        return nvfp4_weight(qweight, scale.to(torch.float32) / global_scale, dtype)
+    if qweight.is_cuda:
+        from learner.packed_kernels import int4_rebuild
+
+        return int4_rebuild(qweight, scale, in_features, group_size, dtype or scale.dtype)
+    # the product is rounded to the scales' dtype first, then to `dtype`: two roundings, as the kernel
+    weight = int4_weight(qweight, scale, in_features, group_size)
     return weight if dtype is None else weight.to(dtype)
 
 
@@ -94,12 +86,15 @@ def rebuilt_weight(qweight: torch.Tensor, scale: torch.Tensor, global_scale: tor
 # a compiled decoder layer (learner.compile_layers) traces through them without a graph break
 # but cannot see inside, so it neither keeps the rebuilt weight for backward (2 bytes a weight:
 # the 4-bit memory gone) nor fuses NVFP4's division by the global scale into a kernel that does
-# not round as compressed-tensors' eager one. Only the packed tensors are saved for backward.
+# not round as the reference does. Only the packed tensors are saved for backward.
 @torch.library.custom_op("qerl::packed_matmul", mutates_args=())
 def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
                   in_features: int, group_size: int) -> torch.Tensor:
+    weight = rebuilt_weight(qweight, scale, global_scale, in_features, group_size, x.dtype)
+    if not torch.is_autocast_enabled(x.device.type):  # the learner's case: no context to enter each call
+        return F.linear(x, weight)
     with torch.autocast(x.device.type, enabled=False):  # in x's dtype, as the fake below says
-        return F.linear(x, rebuilt_weight(qweight, scale, global_scale, in_features, group_size, x.dtype))
+        return F.linear(x, weight)
 
 
 @packed_matmul.register_fake
@@ -112,6 +107,8 @@ def packed_matmul_input_grad(grad_output: torch.Tensor, qweight: torch.Tensor, s
                              global_scale: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor:
     """dX = dY W."""
     weight = rebuilt_weight(qweight, scale, global_scale, in_features, group_size, grad_output.dtype)
+    if not torch.is_autocast_enabled(grad_output.device.type):
+        return grad_output @ weight
     with torch.autocast(grad_output.device.type, enabled=False):
         return grad_output @ weight
 

@@ -18,7 +18,7 @@
 # the 32B int4 engine on Marlin beside bf16; async trains a 0.5B shape at rollout.max_staleness 0, 1
 # and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU; dual-stream-bf16 the 7B bf16 engine
 # with and without dual-stream LoRA; fleet-gpus (2 or more GPUs) the fleet at one GPU per worker and
-# a training with the learner and the workers on GPUs of their own; rebuild-tests checks the fused
+# a training with the learner and the workers on GPUs of their own; rebuild-tests checks the Triton
 # GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU (FORMATS: others; GPU_GIB: a --gpu-memory-gib, 76 on an
 # 80 GB card), step-7b-80g the same on long-tailed completion

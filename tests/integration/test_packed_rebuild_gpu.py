@@ -1,8 +1,11 @@
-"""The fused GPU rebuild of packed 4-bit weights is bit-identical to the CPU reference (the one
-compressed-tensors' decompression is checked against in test_quantized_base), on every weight
-shape of the 7B model and for each scale dtype, so the exact pairs stay exact on a GPU."""
+"""The Triton rebuild of packed 4-bit weights (learner.packed_kernels) is bit-identical to the CPU
+reference (the one compressed-tensors' decompression is checked against in test_quantized_base),
+on every weight shape of the 7B model, for each scale dtype and each dtype the learner computes
+in, so the exact pairs stay exact on a GPU."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -36,9 +39,12 @@ def _random_nvfp4(out_features: int, in_features: int) -> Nvfp4Linear:
 @pytest.mark.parametrize("shape", SHAPES_7B)
 def test_int4_gpu_rebuild_is_bit_identical_to_the_cpu_reference(shape, scale_dtype):
     layer = _random_int4(*shape, scale_dtype)
-    reference = layer.dequantized_weight()
-    on_gpu = layer.to("cuda").dequantized_weight().cpu()
-    assert on_gpu.dtype == reference.dtype and torch.equal(on_gpu.view(torch.int16), reference.view(torch.int16))
+    on_gpu = copy.deepcopy(layer).to("cuda")  # Module.to moves in place
+    for dtype in (None, torch.bfloat16, torch.float16, torch.float32):  # None: the scales' dtype
+        reference = layer.dequantized_weight(dtype)
+        rebuilt = on_gpu.dequantized_weight(dtype).cpu()
+        assert rebuilt.dtype == reference.dtype
+        assert torch.equal(rebuilt.view(torch.uint8), reference.view(torch.uint8)), dtype
 
 
 @pytest.mark.gpu
@@ -48,7 +54,8 @@ def test_nvfp4_gpu_rebuild_is_bit_identical_to_the_cpu_reference(shape):
     reference = layer.dequantized_weight()
     on_gpu = layer.to("cuda")
     assert torch.equal(on_gpu.dequantized_weight().cpu().view(torch.int32), reference.view(torch.int32))
-    # the learner's matmuls take the weight in bf16, rounded inside the fused kernel: one rounding
+    # the learner's matmuls take the weight in their dtype, rounded inside the kernel: one rounding
     # of the same fp32 product, as casting the reference
-    in_bf16 = on_gpu.dequantized_weight(torch.bfloat16).cpu()
-    assert torch.equal(in_bf16.view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
+    for dtype in (torch.bfloat16, torch.float16):
+        rebuilt = on_gpu.dequantized_weight(dtype).cpu()
+        assert torch.equal(rebuilt.view(torch.int16), reference.to(dtype).view(torch.int16)), dtype

@@ -34,6 +34,7 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     # inductor names the learner's fused int4 rebuild after its ops
     assert kernel_kind("triton_poi_fused___rshift____to_copy_arange_bitwise_and_clone_expand_mul_sub_0") \
         == "4-bit rebuild"
+    assert kernel_kind("_nvfp4_rebuild_kernel") == "4-bit rebuild"  # learner.packed_kernels
     # Inductor's kernels are named after what they fuse and feed, never a GEMM: a W8A8 engine's
     # norm + fp8 rounding, a compiled RMSNorm (named after its ops), and the rest
     assert kernel_kind("triton_red_fused__to_copy_abs_clamp_cutlass_scaled_mm_fused_add_rms_norm_0") \

@@ -1,0 +1,57 @@
+"""The learner's Triton rebuild of packed 4-bit weights (`learner.packed_kernels`) against the
+CPU reference, run by Triton's CPU interpreter where Triton is installed (the GPU tier compares
+the compiled kernels bit for bit on a GPU: tests/integration/test_packed_rebuild_gpu.py).
+
+The interpreter stores bf16 by truncation, not rounding to nearest as a GPU does, so this
+compares the fp16 and fp32 outputs only; those take every step of the kernels' arithmetic (code
+unpacking, group indexing, the e4m3 and e2m1 decoding, the IEEE division, the sign of zero)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHECK = r"""
+import torch
+from learner.packed_layers import Int4Linear, Nvfp4Linear, int4_weight, nvfp4_weight
+from learner.packed_kernels import int4_rebuild, nvfp4_rebuild
+
+generator = torch.Generator().manual_seed(0)
+failures = []
+for scale_dtype in (torch.float16, torch.float32):
+    layer = Int4Linear(256, 24, 64, scale_dtype)
+    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, generator=generator,
+                                      dtype=torch.int64).to(torch.int32))
+    layer.scale.copy_(torch.rand(layer.scale.shape, generator=generator) * 0.02 + 1e-4)
+    reference = int4_weight(layer.qweight, layer.scale, 256, 64)
+    for dtype in (torch.float16, torch.float32):
+        got = int4_rebuild(layer.qweight, layer.scale, 256, 64, dtype)
+        if not torch.equal(got.view(torch.uint8), reference.to(dtype).view(torch.uint8)):
+            failures.append(f"int4 {scale_dtype} -> {dtype}")
+layer = Nvfp4Linear(256, 24)
+layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=generator, dtype=torch.int32).to(torch.uint8))
+scales = torch.rand(layer.scale.shape, generator=generator) * 400 + 1
+scales[0, :4] = torch.tensor([0.001, 0.0005, -3.0, 0.0])  # subnormal, negative and zero scales
+layer.scale.copy_(scales.to(torch.float8_e4m3fn))
+layer.global_scale.fill_(1234.5)
+reference = nvfp4_weight(layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, torch.float32)
+for dtype in (torch.float32, torch.float16):
+    got = nvfp4_rebuild(layer.qweight, layer.scale, layer.global_scale, 256, dtype)
+    if not torch.equal(got.view(torch.uint8), reference.to(dtype).view(torch.uint8)):
+        failures.append(f"nvfp4 -> {dtype}")
+assert not failures, failures
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (the GPU tier runs the kernels)")
+def test_triton_rebuild_matches_the_reference_under_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
