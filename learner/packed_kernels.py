@@ -34,17 +34,17 @@ def _round_to(value, dtype: tl.constexpr):
 
 
 @triton.jit
-def _int4_rebuild_kernel(qweight_ptr, scale_ptr, out_ptr, total, in_features: tl.constexpr,
-                         group_size: tl.constexpr, scale_dtype: tl.constexpr, out_dtype: tl.constexpr,
-                         block: tl.constexpr):
+def _int4_rebuild_kernel(qweight_ptr, scale_ptr, out_ptr, total, in_features: tl.constexpr, words_per_row: tl.constexpr,
+                         scales_per_row: tl.constexpr, group_size: tl.constexpr, scale_dtype: tl.constexpr,
+                         out_dtype: tl.constexpr, block: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * block + tl.arange(0, block)
     mask = offsets < total
     row = offsets // in_features
     col = offsets % in_features
     # code i of an int32 word sits at bits 4i..4i+3, stored with +8 (compressed-tensors' pack_to_int32)
-    word = tl.load(qweight_ptr + row * (in_features // 8) + col // 8, mask=mask, other=0)
+    word = tl.load(qweight_ptr + row * words_per_row + col // 8, mask=mask, other=0)
     code = ((word >> ((col % 8) * 4).to(tl.int32)) & 0xF) - 8
-    scale = tl.load(scale_ptr + row * (in_features // group_size) + col // group_size, mask=mask, other=0)
+    scale = tl.load(scale_ptr + row * scales_per_row + col // group_size, mask=mask, other=0)
     # the product of a 4-bit code and a 16-bit scale is exact in fp32: rounding it once to the
     # scales' dtype is the reference's multiplication in that dtype
     weight = _round_to(_round_to(code.to(tl.float32) * scale.to(tl.float32), scale_dtype).to(tl.float32), out_dtype)
@@ -74,14 +74,15 @@ def _e2m1_to_float(code):
 
 @triton.jit
 def _nvfp4_rebuild_kernel(qweight_ptr, scale_ptr, global_scale_ptr, out_ptr, total, in_features: tl.constexpr,
-                          out_dtype: tl.constexpr, block: tl.constexpr):
+                          bytes_per_row: tl.constexpr, scales_per_row: tl.constexpr, out_dtype: tl.constexpr,
+                          block: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * block + tl.arange(0, block)
     mask = offsets < total
     row = offsets // in_features
     col = offsets % in_features
-    byte = tl.load(qweight_ptr + row * (in_features // 2) + col // 2, mask=mask, other=0).to(tl.int32)
+    byte = tl.load(qweight_ptr + row * bytes_per_row + col // 2, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((col % 2) * 4).to(tl.int32)) & 0xF  # the low nibble first
-    scale_bits = tl.load(scale_ptr + row * (in_features // 16) + col // 16, mask=mask, other=0).to(tl.int32)
+    scale_bits = tl.load(scale_ptr + row * scales_per_row + col // 16, mask=mask, other=0).to(tl.int32)
     scale = tl.math.div_rn(_e4m3_to_float(scale_bits), tl.load(global_scale_ptr))
     tl.store(out_ptr + offsets, _round_to(_e2m1_to_float(code) * scale, out_dtype), mask=mask)
 
@@ -93,7 +94,9 @@ def _grid(total: int) -> tuple[int]:
 def int4_rebuild(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int,
                  dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(qweight.shape[0], in_features, dtype=dtype, device=qweight.device)
-    _int4_rebuild_kernel[_grid(out.numel())](qweight, scale, out, out.numel(), in_features, group_size,
+    # rows of the packed tensors are read by their own widths: a row of codes may end in padding
+    _int4_rebuild_kernel[_grid(out.numel())](qweight.contiguous(), scale.contiguous(), out, out.numel(), in_features,
+                                             qweight.shape[1], scale.shape[1], group_size,
                                              TRITON_DTYPES[scale.dtype], TRITON_DTYPES[dtype], BLOCK)
     return out
 
@@ -101,6 +104,7 @@ def int4_rebuild(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, g
 def nvfp4_rebuild(qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, in_features: int,
                   dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(qweight.shape[0], in_features, dtype=dtype, device=qweight.device)
-    _nvfp4_rebuild_kernel[_grid(out.numel())](qweight, scale.view(torch.uint8), global_scale, out, out.numel(),
-                                              in_features, TRITON_DTYPES[dtype], BLOCK)
+    _nvfp4_rebuild_kernel[_grid(out.numel())](qweight.contiguous(), scale.contiguous().view(torch.uint8), global_scale,
+                                              out, out.numel(), in_features, qweight.shape[1], scale.shape[1],
+                                              TRITON_DTYPES[dtype], BLOCK)
     return out
