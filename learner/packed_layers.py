@@ -19,6 +19,7 @@ compares the two bit for bit. The CPU runs the reference.
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -82,6 +83,12 @@ def rebuilt_weight(qweight: torch.Tensor, scale: torch.Tensor, global_scale: tor
     return weight if dtype is None else weight.to(dtype)
 
 
+def _autocast_off(device_type: str):
+    """A context with autocast off: autocast's own where it is on, none to enter where it is
+    already off (the learner's case, on every packed matmul)."""
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) else nullcontext()
+
+
 # x @ W.T with W rebuilt from the packed tensors in forward and again in backward, as custom ops:
 # a compiled decoder layer (learner.compile_layers) traces through them without a graph break
 # but cannot see inside, so it neither keeps the rebuilt weight for backward (2 bytes a weight:
@@ -91,9 +98,7 @@ def rebuilt_weight(qweight: torch.Tensor, scale: torch.Tensor, global_scale: tor
 def packed_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
                   in_features: int, group_size: int) -> torch.Tensor:
     weight = rebuilt_weight(qweight, scale, global_scale, in_features, group_size, x.dtype)
-    if not torch.is_autocast_enabled(x.device.type):  # the learner's case: no context to enter each call
-        return F.linear(x, weight)
-    with torch.autocast(x.device.type, enabled=False):  # in x's dtype, as the fake below says
+    with _autocast_off(x.device.type):  # in x's dtype, as the fake below says
         return F.linear(x, weight)
 
 
@@ -107,9 +112,7 @@ def packed_matmul_input_grad(grad_output: torch.Tensor, qweight: torch.Tensor, s
                              global_scale: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor:
     """dX = dY W."""
     weight = rebuilt_weight(qweight, scale, global_scale, in_features, group_size, grad_output.dtype)
-    if not torch.is_autocast_enabled(grad_output.device.type):
-        return grad_output @ weight
-    with torch.autocast(grad_output.device.type, enabled=False):
+    with _autocast_off(grad_output.device.type):
         return grad_output @ weight
 
 
@@ -179,7 +182,6 @@ class Nvfp4Linear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        # the division by the global scale in eager fp32, as compressed-tensors' _dequantize
         return rebuilt_weight(self.qweight, self.scale, self.global_scale, self.in_features, self.group_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
