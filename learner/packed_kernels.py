@@ -1,11 +1,12 @@
 """The GPU rebuild of packed 4-bit weights: one Triton kernel per format, launched directly.
 
-`learner.packed_layers` rebuilds a packed layer's dense weight three times a micro-batch
-(forward, recompute, backward), inside the `packed_matmul` custom op. A `torch.compile`d rebuild
-is as fast on the device, but every call also passes dynamo's guards and AOTAutograd's runtime
-wrappers on the host; at the learner's micro-batches the GPU then waits on the host (H100,
-2026-12-06: int4's device time about bf16's, its step 1.16× longer). A plain Triton launch skips
-those layers.
+`learner.packed_layers` rebuilds a packed layer's dense weight two or three times a micro-batch
+(forward, backward, and the recompute where checkpointing is on), inside the `packed_matmul`
+custom op. A plain Triton launch spares the host dynamo's guards and AOTAutograd's wrappers,
+which a `torch.compile`d rebuild pays on every call. On the device the kernels work in 2-D
+tiles with 32-bit offsets (no 64-bit division or modulo per weight), and NVFP4 divides each
+group's scale by the global scale once, not once per weight: the first, flat version of these
+kernels took longer on the device than the compiled rebuild (BENCHMARKS.md, H100 2026-12-07).
 
 The arithmetic is the CPU reference's, step for step, so the GPU test compares the two bit for
 bit: int4 codes times the group scale rounded to the scales' dtype, then to the output dtype;
@@ -21,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
 TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -34,21 +34,30 @@ def _round_to(value, dtype: tl.constexpr):
 
 
 @triton.jit
-def _int4_rebuild_kernel(qweight_ptr, scale_ptr, out_ptr, total, in_features: tl.constexpr, words_per_row: tl.constexpr,
-                         scales_per_row: tl.constexpr, group_size: tl.constexpr, scale_dtype: tl.constexpr,
-                         out_dtype: tl.constexpr, block: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * block + tl.arange(0, block)
-    mask = offsets < total
-    row = offsets // in_features
-    col = offsets % in_features
+def _tile(rows_total, in_features, block_rows: tl.constexpr, block_cols: tl.constexpr, wide: tl.constexpr):
+    """This program's rows and columns of the weight (2-D tiles: no division or modulo per
+    element) and their mask; rows in 64 bits only where an offset could pass 2**31 (`wide`)."""
+    rows = tl.program_id(0) * block_rows + tl.arange(0, block_rows)
+    if wide:
+        rows = rows.to(tl.int64)
+    cols = tl.program_id(1) * block_cols + tl.arange(0, block_cols)
+    return rows, cols, (rows < rows_total)[:, None] & (cols < in_features)[None, :]
+
+
+@triton.jit
+def _int4_rebuild_kernel(qweight_ptr, scale_ptr, out_ptr, rows_total, in_features, words_per_row,
+                         scales_per_row, group_size: tl.constexpr, scale_dtype: tl.constexpr,
+                         out_dtype: tl.constexpr, block_rows: tl.constexpr, block_cols: tl.constexpr,
+                         wide: tl.constexpr):
+    rows, cols, mask = _tile(rows_total, in_features, block_rows, block_cols, wide)
     # code i of an int32 word sits at bits 4i..4i+3, stored with +8 (compressed-tensors' pack_to_int32)
-    word = tl.load(qweight_ptr + row * words_per_row + col // 8, mask=mask, other=0)
-    code = ((word >> ((col % 8) * 4).to(tl.int32)) & 0xF) - 8
-    scale = tl.load(scale_ptr + row * scales_per_row + col // group_size, mask=mask, other=0)
+    word = tl.load(qweight_ptr + rows[:, None] * words_per_row + (cols // 8)[None, :], mask=mask, other=0)
+    code = ((word >> ((cols % 8) * 4)[None, :]) & 0xF) - 8
+    scale = tl.load(scale_ptr + rows[:, None] * scales_per_row + (cols // group_size)[None, :], mask=mask, other=0)
     # the product of a 4-bit code and a 16-bit scale is exact in fp32: rounding it once to the
     # scales' dtype is the reference's multiplication in that dtype
     weight = _round_to(_round_to(code.to(tl.float32) * scale.to(tl.float32), scale_dtype).to(tl.float32), out_dtype)
-    tl.store(out_ptr + offsets, weight, mask=mask)
+    tl.store(out_ptr + rows[:, None] * in_features + cols[None, :], weight, mask=mask)
 
 
 @triton.jit
@@ -73,38 +82,46 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
-def _nvfp4_rebuild_kernel(qweight_ptr, scale_ptr, global_scale_ptr, out_ptr, total, in_features: tl.constexpr,
-                          bytes_per_row: tl.constexpr, scales_per_row: tl.constexpr, out_dtype: tl.constexpr,
-                          block: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * block + tl.arange(0, block)
-    mask = offsets < total
-    row = offsets // in_features
-    col = offsets % in_features
-    byte = tl.load(qweight_ptr + row * bytes_per_row + col // 2, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((col % 2) * 4).to(tl.int32)) & 0xF  # the low nibble first
-    scale_bits = tl.load(scale_ptr + row * scales_per_row + col // 16, mask=mask, other=0).to(tl.int32)
-    scale = tl.math.div_rn(_e4m3_to_float(scale_bits), tl.load(global_scale_ptr))
-    tl.store(out_ptr + offsets, _round_to(_e2m1_to_float(code) * scale, out_dtype), mask=mask)
+def _nvfp4_rebuild_kernel(qweight_ptr, scale_ptr, global_scale_ptr, out_ptr, rows_total, in_features, bytes_per_row,
+                          scales_per_row, out_dtype: tl.constexpr, block_rows: tl.constexpr,
+                          block_cols: tl.constexpr, wide: tl.constexpr):
+    rows, cols, mask = _tile(rows_total, in_features, block_rows, block_cols, wide)
+    byte = tl.load(qweight_ptr + rows[:, None] * bytes_per_row + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((cols % 2) * 4)[None, :]) & 0xF  # the low nibble first
+    # one IEEE division per group of 16 (not per weight), then each scale repeated over its group
+    groups = tl.program_id(1) * (block_cols // 16) + tl.arange(0, block_cols // 16)
+    group_mask = (rows < rows_total)[:, None] & (groups < scales_per_row)[None, :]
+    scale_bits = tl.load(scale_ptr + rows[:, None] * scales_per_row + groups[None, :], mask=group_mask, other=0)
+    scale = tl.math.div_rn(_e4m3_to_float(scale_bits.to(tl.int32)), tl.load(global_scale_ptr))
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (block_rows, block_cols // 16, 16)), (block_rows, block_cols))
+    tl.store(out_ptr + rows[:, None] * in_features + cols[None, :], _round_to(_e2m1_to_float(code) * scale, out_dtype),
+             mask=mask)
 
 
-def _grid(total: int) -> tuple[int]:
-    return (triton.cdiv(total, BLOCK),)
+# 8 x 256 weights a program: a row of the tile is 512 contiguous bytes of bf16 output
+BLOCK_ROWS, BLOCK_COLS = 8, 256
+
+
+def _launch(kernel, rows: int, in_features: int, *args) -> None:
+    grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(in_features, BLOCK_COLS))
+    wide = (rows + BLOCK_ROWS) * max(in_features, BLOCK_COLS) >= 2**31
+    kernel[grid](*args, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS, wide=wide)
 
 
 def int4_rebuild(qweight: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int,
                  dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(qweight.shape[0], in_features, dtype=dtype, device=qweight.device)
     # rows of the packed tensors are read by their own widths: a row of codes may end in padding
-    _int4_rebuild_kernel[_grid(out.numel())](qweight.contiguous(), scale.contiguous(), out, out.numel(), in_features,
-                                             qweight.shape[1], scale.shape[1], group_size,
-                                             TRITON_DTYPES[scale.dtype], TRITON_DTYPES[dtype], BLOCK)
+    _launch(_int4_rebuild_kernel, out.shape[0], in_features, qweight.contiguous(), scale.contiguous(), out,
+            out.shape[0], in_features, qweight.shape[1], scale.shape[1], group_size,
+            TRITON_DTYPES[scale.dtype], TRITON_DTYPES[dtype])
     return out
 
 
 def nvfp4_rebuild(qweight: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, in_features: int,
                   dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(qweight.shape[0], in_features, dtype=dtype, device=qweight.device)
-    _nvfp4_rebuild_kernel[_grid(out.numel())](qweight.contiguous(), scale.contiguous().view(torch.uint8), global_scale,
-                                              out, out.numel(), in_features, qweight.shape[1], scale.shape[1],
-                                              TRITON_DTYPES[dtype], BLOCK)
+    _launch(_nvfp4_rebuild_kernel, out.shape[0], in_features, qweight.contiguous(),
+            scale.contiguous().view(torch.uint8), global_scale, out, out.shape[0], in_features, qweight.shape[1],
+            scale.shape[1], TRITON_DTYPES[dtype])
     return out

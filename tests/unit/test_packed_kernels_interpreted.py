@@ -23,27 +23,31 @@ from learner.packed_kernels import int4_rebuild, nvfp4_rebuild
 
 generator = torch.Generator().manual_seed(0)
 failures = []
-for scale_dtype in (torch.float16, torch.float32):
-    layer = Int4Linear(256, 24, 64, scale_dtype)
-    layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, generator=generator,
-                                      dtype=torch.int64).to(torch.int32))
-    layer.scale.copy_(torch.rand(layer.scale.shape, generator=generator) * 0.02 + 1e-4)
-    reference = int4_weight(layer.qweight, layer.scale, 256, 64)
-    for dtype in (torch.float16, torch.float32):
-        got = int4_rebuild(layer.qweight, layer.scale, 256, 64, dtype)
+# 24 x 256: whole tiles; 20 x 320: tiles cut at the last rows and columns
+for (out_features, in_features) in ((24, 256), (20, 320)):
+    for scale_dtype in (torch.float16, torch.float32):
+        layer = Int4Linear(in_features, out_features, 64, scale_dtype)
+        layer.qweight.copy_(torch.randint(-2**31, 2**31 - 1, layer.qweight.shape, generator=generator,
+                                          dtype=torch.int64).to(torch.int32))
+        layer.scale.copy_(torch.rand(layer.scale.shape, generator=generator) * 0.02 + 1e-4)
+        reference = int4_weight(layer.qweight, layer.scale, in_features, 64)
+        for dtype in (torch.float16, torch.float32):
+            got = int4_rebuild(layer.qweight, layer.scale, in_features, 64, dtype)
+            if not torch.equal(got.view(torch.uint8), reference.to(dtype).view(torch.uint8)):
+                failures.append(f"int4 {out_features}x{in_features} {scale_dtype} -> {dtype}")
+for (out_features, in_features) in ((24, 256), (20, 320)):
+    layer = Nvfp4Linear(in_features, out_features)
+    layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=generator, dtype=torch.int32)
+                        .to(torch.uint8))
+    scales = torch.rand(layer.scale.shape, generator=generator) * 400 + 1
+    scales[0, :4] = torch.tensor([0.001, 0.0005, -3.0, 0.0])  # subnormal, negative and zero scales
+    layer.scale.copy_(scales.to(torch.float8_e4m3fn))
+    layer.global_scale.fill_(1234.5)
+    reference = nvfp4_weight(layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, torch.float32)
+    for dtype in (torch.float32, torch.float16):
+        got = nvfp4_rebuild(layer.qweight, layer.scale, layer.global_scale, in_features, dtype)
         if not torch.equal(got.view(torch.uint8), reference.to(dtype).view(torch.uint8)):
-            failures.append(f"int4 {scale_dtype} -> {dtype}")
-layer = Nvfp4Linear(256, 24)
-layer.qweight.copy_(torch.randint(0, 256, layer.qweight.shape, generator=generator, dtype=torch.int32).to(torch.uint8))
-scales = torch.rand(layer.scale.shape, generator=generator) * 400 + 1
-scales[0, :4] = torch.tensor([0.001, 0.0005, -3.0, 0.0])  # subnormal, negative and zero scales
-layer.scale.copy_(scales.to(torch.float8_e4m3fn))
-layer.global_scale.fill_(1234.5)
-reference = nvfp4_weight(layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, torch.float32)
-for dtype in (torch.float32, torch.float16):
-    got = nvfp4_rebuild(layer.qweight, layer.scale, layer.global_scale, 256, dtype)
-    if not torch.equal(got.view(torch.uint8), reference.to(dtype).view(torch.uint8)):
-        failures.append(f"nvfp4 -> {dtype}")
+            failures.append(f"nvfp4 {out_features}x{in_features} -> {dtype}")
 assert not failures, failures
 print("ok")
 """
