@@ -134,6 +134,12 @@ def add_bench_parsers(bench: argparse.ArgumentParser) -> None:
     step.add_argument("--profile", metavar="DIR", type=_output_folder, default=None,
                       help="after the timed steps, profile one more learner phase in the learner's process "
                            "(device time by kernel kind); op table in DIR/FORMAT")
+    rebuild = kinds.add_parser("rebuild", help="the learner's packed 4-bit rebuild per weight shape vs compiled and "
+                                               "eager references and the memory floor (GPU only)")
+    _common(rebuild)
+    rebuild.add_argument("--formats", type=lambda t: tuple(f for f in t.split(",") if f), default=("int4", "nvfp4"),
+                         help="int4 and/or nvfp4")
+    rebuild.add_argument("--repeats", type=at_least(1), default=50, help="calls timed per shape and rebuild")
     kernels = kinds.add_parser("lora-kernels", help="tune vLLM's LoRA kernels for a model shape on this GPU")
     _common(kernels)
     kernels.add_argument("--tokens", type=ints, default=(16, 32, 64, 128, 256, 512, 2048, 8192),
@@ -175,6 +181,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         from benchmarks.lora_kernels import LoraKernelBenchArgs, bench_lora_kernels
 
         return bench_lora_kernels(config, LoraKernelBenchArgs(**sweep))
+    if args.bench == "rebuild":
+        from benchmarks.rebuild import RebuildBenchArgs, bench_rebuild
+
+        return bench_rebuild(config, RebuildBenchArgs(**sweep))
     if args.bench == "step":
         from benchmarks.step import StepBenchArgs, bench_step
 

@@ -19,7 +19,8 @@
 # and 2; fleet measures 1 and 2 int4 7B workers sharing the GPU; dual-stream-bf16 the 7B bf16 engine
 # with and without dual-stream LoRA; fleet-gpus (2 or more GPUs) the fleet at one GPU per worker and
 # a training with the learner and the workers on GPUs of their own; rebuild-tests checks the Triton
-# GPU rebuild of packed 4-bit weights bit for bit; step-7b runs the whole RL step (qerl bench step)
+# GPU rebuild of packed 4-bit weights bit for bit, rebuild-bench times it per 7B weight shape
+# (qerl bench rebuild); step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU (FORMATS: others; GPU_GIB: a --gpu-memory-gib, 76 on an
 # 80 GB card), step-7b-80g the same on long-tailed completion
 # lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
@@ -190,6 +191,9 @@ for stage in ${*:-tests rollout sync learner train}; do
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl
       run rebuild_tests python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_packed_rebuild_gpu.py ;;
+    rebuild-bench)
+      run rebuild_bench_7b qerl bench rebuild --config configs/bench_step_gpu.yaml --shape qwen2.5-7b \
+          --json "$out/rebuild_7b.json" ;;
     learner-tests)
       python3 -c "import pytest" 2>/dev/null || python3 -m pip install -q --no-index --no-deps \
           --target /tmp/site .gpu/extra/*.whl

@@ -52,3 +52,20 @@ def test_bench_fleet_bad_sweeps():
         bench_fleet(config, FleetBenchArgs(dispatch=("round-robin",)))
     with pytest.raises(QerlError, match="--slow-worker is a slowdown factor"):
         bench_fleet(config, FleetBenchArgs(slow_worker=0.5))
+
+
+def test_bench_rebuild_refuses_other_formats_and_a_machine_without_a_gpu():
+    import torch
+
+    from benchmarks.rebuild import RebuildBenchArgs, bench_rebuild, weight_shapes
+    from benchmarks.shapes import shape_folder
+
+    config = load_config(None, [])
+    with pytest.raises(QerlError, match="--formats w8a8: qerl bench rebuild measures int4, nvfp4"):
+        bench_rebuild(config, RebuildBenchArgs(formats=("w8a8",)))
+    if not torch.cuda.is_available():
+        with pytest.raises(QerlError, match="needs a CUDA GPU"):
+            bench_rebuild(config, RebuildBenchArgs())
+    # the 7B layers a micro-batch rebuilds: q/o, k/v, gate/up, down
+    assert weight_shapes(shape_folder("qwen2.5-7b")) == {(3584, 3584): 56, (512, 3584): 56, (18944, 3584): 56,
+                                                         (3584, 18944): 28}
