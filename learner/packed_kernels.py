@@ -3,10 +3,11 @@
 `learner.packed_layers` rebuilds a packed layer's dense weight two or three times a micro-batch
 (forward, backward, and the recompute where checkpointing is on), inside the `packed_matmul`
 custom op. A plain Triton launch spares the host dynamo's guards and AOTAutograd's wrappers,
-which a `torch.compile`d rebuild pays on every call. On the device the kernels work in 2-D
-tiles with 32-bit offsets (no 64-bit division or modulo per weight), and NVFP4 divides each
-group's scale by the global scale once, not once per weight: the first, flat version of these
-kernels took longer on the device than the compiled rebuild (BENCHMARKS.md, H100 2026-12-07).
+which a `torch.compile`d rebuild pays on every call. On the device the kernels work in tiles
+shaped like the packing (rows x words x codes), with 32-bit offsets: each packed word and each
+scale is loaded once, no weight needs a division or modulo, and NVFP4 divides each group's
+scale by the global scale once, not once per weight. The first, flat version of these kernels
+took longer on the device than the compiled rebuild (BENCHMARKS.md, H100 2026-12-07).
 
 The arithmetic is the CPU reference's, step for step, so the GPU test compares the two bit for
 bit: int4 codes times the group scale rounded to the scales' dtype, then to the output dtype;
@@ -34,14 +35,10 @@ def _round_to(value, dtype: tl.constexpr):
 
 
 @triton.jit
-def _tile(rows_total, in_features, block_rows: tl.constexpr, block_cols: tl.constexpr, wide: tl.constexpr):
-    """This program's rows and columns of the weight (2-D tiles: no division or modulo per
-    element) and their mask; rows in 64 bits only where an offset could pass 2**31 (`wide`)."""
+def _rows(rows_total, block_rows: tl.constexpr, wide: tl.constexpr):
+    """This program's rows, in 64 bits only where an offset could pass 2**31 (`wide`)."""
     rows = tl.program_id(0) * block_rows + tl.arange(0, block_rows)
-    if wide:
-        rows = rows.to(tl.int64)
-    cols = tl.program_id(1) * block_cols + tl.arange(0, block_cols)
-    return rows, cols, (rows < rows_total)[:, None] & (cols < in_features)[None, :]
+    return rows.to(tl.int64) if wide else rows
 
 
 @triton.jit
@@ -49,15 +46,26 @@ def _int4_rebuild_kernel(qweight_ptr, scale_ptr, out_ptr, rows_total, in_feature
                          scales_per_row, group_size: tl.constexpr, scale_dtype: tl.constexpr,
                          out_dtype: tl.constexpr, block_rows: tl.constexpr, block_cols: tl.constexpr,
                          wide: tl.constexpr):
-    rows, cols, mask = _tile(rows_total, in_features, block_rows, block_cols, wide)
-    # code i of an int32 word sits at bits 4i..4i+3, stored with +8 (compressed-tensors' pack_to_int32)
-    word = tl.load(qweight_ptr + rows[:, None] * words_per_row + (cols // 8)[None, :], mask=mask, other=0)
-    code = ((word >> ((cols % 8) * 4)[None, :]) & 0xF) - 8
-    scale = tl.load(scale_ptr + rows[:, None] * scales_per_row + (cols // group_size)[None, :], mask=mask, other=0)
+    # a 3-D tile (rows, packed words, the 8 codes of a word): each word and its scale are loaded
+    # once and the codes shifted out of it, with no division or modulo per weight
+    rows = _rows(rows_total, block_rows, wide)[:, None, None]
+    words = (tl.program_id(1) * (block_cols // 8) + tl.arange(0, block_cols // 8))[None, :, None]
+    nibbles = tl.arange(0, 8)[None, None, :]
+    cols = words * 8 + nibbles
+    word_mask = (rows < rows_total) & (words * 8 < in_features)
+    # code i of an int32 word sits at bits 4i..4i+3, stored with +8 (compressed-tensors' pack_to_int32);
+    # as a float without an int-to-float conversion: the bits of 2**23 + stored code, minus 2**23 + 8
+    word = tl.load(qweight_ptr + rows * words_per_row + words, mask=word_mask, other=0)
+    stored = (word >> (nibbles * 4)) & 0xF
+    code = (stored | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    scale = tl.load(scale_ptr + rows * scales_per_row + words * 8 // group_size, mask=word_mask, other=0)
     # the product of a 4-bit code and a 16-bit scale is exact in fp32: rounding it once to the
-    # scales' dtype is the reference's multiplication in that dtype
-    weight = _round_to(_round_to(code.to(tl.float32) * scale.to(tl.float32), scale_dtype).to(tl.float32), out_dtype)
-    tl.store(out_ptr + rows[:, None] * in_features + cols[None, :], weight, mask=mask)
+    # scales' dtype is the reference's multiplication in that dtype (a second rounding to the
+    # same dtype would change nothing)
+    weight = _round_to(code * scale.to(tl.float32), scale_dtype)
+    if out_dtype != scale_dtype:
+        weight = _round_to(weight.to(tl.float32), out_dtype)
+    tl.store(out_ptr + rows * in_features + cols, weight, mask=(rows < rows_total) & (cols < in_features))
 
 
 @triton.jit
@@ -73,29 +81,34 @@ def _e4m3_to_float(bits):
 
 @triton.jit
 def _e2m1_to_float(code):
-    """4-bit e2m1 code -> fp32 (compressed-tensors' kE2M1ToFloat; bit 3 is the sign)."""
-    exponent = (code >> 1) & 0x3
-    half_mantissa = (code & 0x1).to(tl.float32) * 0.5
-    power = tl.where(exponent == 3, 4.0, tl.where(exponent == 2, 2.0, 1.0))
-    magnitude = tl.where(exponent == 0, half_mantissa, (1.0 + half_mantissa) * power)
-    return magnitude * tl.where((code & 0x8) != 0, -1.0, 1.0)  # -0.0 for code 8, as the reference
+    """4-bit e2m1 code -> fp32 (compressed-tensors' kE2M1ToFloat; bit 3 is the sign), built as fp32
+    bits: exponent e and mantissa m give 2**(e - 1) * (1 + m / 2) for e > 0, m / 2 for e = 0."""
+    magnitude = code & 0x7
+    bits = tl.where(magnitude > 1, (magnitude << 22) + (126 << 23), tl.where(magnitude == 1, 126 << 23, 0))
+    return (bits | ((code & 0x8) << 28)).to(tl.float32, bitcast=True)  # the sign bit: -0.0 for code 8
 
 
 @triton.jit
 def _nvfp4_rebuild_kernel(qweight_ptr, scale_ptr, global_scale_ptr, out_ptr, rows_total, in_features, bytes_per_row,
                           scales_per_row, out_dtype: tl.constexpr, block_rows: tl.constexpr,
                           block_cols: tl.constexpr, wide: tl.constexpr):
-    rows, cols, mask = _tile(rows_total, in_features, block_rows, block_cols, wide)
-    byte = tl.load(qweight_ptr + rows[:, None] * bytes_per_row + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((cols % 2) * 4)[None, :]) & 0xF  # the low nibble first
-    # one IEEE division per group of 16 (not per weight), then each scale repeated over its group
-    groups = tl.program_id(1) * (block_cols // 16) + tl.arange(0, block_cols // 16)
-    group_mask = (rows < rows_total)[:, None] & (groups < scales_per_row)[None, :]
-    scale_bits = tl.load(scale_ptr + rows[:, None] * scales_per_row + groups[None, :], mask=group_mask, other=0)
+    # a 4-D tile (rows, groups of 16 weights, the 8 bytes of a group, the 2 codes of a byte): each
+    # byte is loaded once, each scale decoded and divided once per group (one IEEE division per
+    # 16 weights) and broadcast over it
+    rows = _rows(rows_total, block_rows, wide)[:, None, None, None]
+    groups = (tl.program_id(1) * (block_cols // 16) + tl.arange(0, block_cols // 16))[None, :, None, None]
+    byte_index = groups * 8 + tl.arange(0, 8)[None, None, :, None]
+    halves = tl.arange(0, 2)[None, None, None, :]
+    cols = byte_index * 2 + halves
+    row_mask = rows < rows_total
+    byte = tl.load(qweight_ptr + rows * bytes_per_row + byte_index, mask=row_mask & (byte_index * 2 < in_features),
+                   other=0).to(tl.int32)
+    code = (byte >> (halves * 4)) & 0xF  # the low nibble first
+    scale_bits = tl.load(scale_ptr + rows * scales_per_row + groups, mask=row_mask & (groups < scales_per_row),
+                         other=0)
     scale = tl.math.div_rn(_e4m3_to_float(scale_bits.to(tl.int32)), tl.load(global_scale_ptr))
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (block_rows, block_cols // 16, 16)), (block_rows, block_cols))
-    tl.store(out_ptr + rows[:, None] * in_features + cols[None, :], _round_to(_e2m1_to_float(code) * scale, out_dtype),
-             mask=mask)
+    tl.store(out_ptr + rows * in_features + cols, _round_to(_e2m1_to_float(code) * scale, out_dtype),
+             mask=row_mask & (cols < in_features))
 
 
 # 8 x 256 weights a program: a row of the tile is 512 contiguous bytes of bf16 output
@@ -104,7 +117,7 @@ BLOCK_ROWS, BLOCK_COLS = 8, 256
 
 def _launch(kernel, rows: int, in_features: int, *args) -> None:
     grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(in_features, BLOCK_COLS))
-    wide = (rows + BLOCK_ROWS) * max(in_features, BLOCK_COLS) >= 2**31
+    wide = (rows + BLOCK_ROWS) * (in_features + BLOCK_COLS) >= 2**31  # the largest offset a tile computes
     kernel[grid](*args, block_rows=BLOCK_ROWS, block_cols=BLOCK_COLS, wide=wide)
 
 

@@ -60,3 +60,32 @@ def test_triton_rebuild_matches_the_reference_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed (the GPU tier runs the kernels)")
+def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter runs the kernels' Python; this lowers them to sm_90 machine code with
+    Triton's bundled ptxas, so a kernel that only the interpreter accepts fails here, not on a
+    leased GPU."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from learner import packed_kernels
+
+    tiles = {"block_rows": packed_kernels.BLOCK_ROWS, "block_cols": packed_kernels.BLOCK_COLS, "wide": False}
+    sizes = dict.fromkeys(("rows_total", "in_features", "scales_per_row"), "i32")
+    int4 = ASTSource(fn=packed_kernels._int4_rebuild_kernel,
+                     signature={"qweight_ptr": "*i32", "scale_ptr": "*bf16", "out_ptr": "*bf16", **sizes,
+                                "words_per_row": "i32", **dict.fromkeys(("group_size", "scale_dtype", "out_dtype",
+                                                                         *tiles), "constexpr")},
+                     constexprs={"group_size": 128, "scale_dtype": tl.bfloat16, "out_dtype": tl.bfloat16, **tiles})
+    nvfp4 = ASTSource(fn=packed_kernels._nvfp4_rebuild_kernel,
+                      signature={"qweight_ptr": "*u8", "scale_ptr": "*u8", "global_scale_ptr": "*fp32",
+                                 "out_ptr": "*bf16", **sizes, "bytes_per_row": "i32",
+                                 **dict.fromkeys(("out_dtype", *tiles), "constexpr")},
+                      constexprs={"out_dtype": tl.bfloat16, **tiles})
+    for source in (int4, nvfp4):
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
