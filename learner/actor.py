@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from learner.fp8_layers import set_activation_rounding
-from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype
+from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype, to_device
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
     MicroBatchLimits,
@@ -190,45 +190,58 @@ class Learner:
                               by_lag: dict[int, list[float]] | None = None) -> float:
         """Backward over `samples` in micro-batches; the loss is normalised over all of them.
         Returns the mini-batch's loss (NaN or inf when something went wrong). `by_lag` collects
-        KL(rollout||learner) and tokens by the samples' staleness."""
+        KL(rollout||learner) and tokens by the samples' staleness.
+
+        The metrics stay on the device until the last micro-batch: reading one (`.item()`) waits
+        for the GPU, which then idles while the host queues the next micro-batch. They are summed
+        in float64 in the order the host would sum them, so the figures are the same."""
         by_lag = {} if by_lag is None else by_lag
         config = self.config
         total_seqs, total_tokens = len(samples), sum(len(s.completion_ids) for s in samples)
-        total_loss = 0.0
+        device = self.lora_params[0].device
+        # the loss starts from 0, the other sums from where earlier mini-batches left them
+        totals = torch.tensor([0.0, *(sums[name] for name in SUMMED_METRICS)], dtype=torch.float64)
+        totals = to_device(totals, device)
+        maxima = to_device(torch.tensor([sums[name] for name in MAXIMUM_METRICS]), device)
+        rows_kl: list[tuple[list[TrainSample], torch.Tensor, torch.Tensor]] = []
         for indices in self._plan(samples).batches:
             chunk = [samples[i] for i in indices]
             scores = completion_logprobs(self.model, _pairs(chunk), temperature, self.pad_id)
-            mask, device = scores.mask, scores.mask.device
+            mask = scores.mask
             if old is None:  # one optimizer step per batch: the pre-update logprobs are these very values
                 old_chunk = scores.logprobs.detach()
             else:
-                old_chunk = _padded([old[i] for i in indices], mask.shape)
+                old_chunk = to_device(_padded([old[i] for i in indices], mask.shape), device)
             inputs = PolicyLossInputs(
                 logprobs=scores.logprobs,
-                old_logprobs=old_chunk.to(device),
-                rollout_logprobs=_padded([s.rollout_logprobs for s in chunk], mask.shape).to(device),
-                advantages=torch.tensor([s.advantage for s in chunk], device=device),
+                old_logprobs=old_chunk,
+                rollout_logprobs=to_device(_padded([s.rollout_logprobs for s in chunk], mask.shape), device),
+                advantages=to_device(torch.tensor([s.advantage for s in chunk]), device),
                 ref_logprobs=self._reference_logprobs(chunk, temperature) if config.kl_coef > 0 else None,
             )
             terms = policy_loss_terms(inputs, config.clip_eps, config.upper_clip(), config.tis_cap, config.kl_coef)
             loss = aggregate(terms.per_token, mask, config.aggregation(), total_seqs, total_tokens)
             loss.backward()
-            log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
-            total_loss += loss.item()
-            sums["entropy"] += (scores.entropy * mask).sum().item()
-            kl_rows = (((log_ratio.exp() - 1) - log_ratio) * mask).sum(dim=1)
-            sums["kl"] += kl_rows.sum().item()
-            for sample, kl, count in zip(chunk, kl_rows.tolist(), mask.sum(dim=1).tolist()):
+            with torch.no_grad():
+                log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
+                kl_rows = (((log_ratio.exp() - 1) - log_ratio) * mask).sum(dim=1)
+                ratio = terms.importance_ratio * mask
+                ref_kl = (terms.ref_kl * mask).sum() if terms.ref_kl is not None else torch.zeros((), device=device)
+                # in SUMMED_METRICS' order, after the loss
+                batch_sums = torch.stack([loss.detach(), (scores.entropy * mask).sum(), kl_rows.sum(),
+                                          (terms.tis_weight * mask).sum(), ratio.sum(),
+                                          ((terms.importance_ratio > config.tis_cap).float() * mask).sum(),
+                                          (terms.clipped * mask).sum(), ref_kl.detach()])
+                totals = totals + batch_sums.double()
+                maxima = torch.maximum(maxima, torch.stack([ratio.max(), (log_ratio.abs() * mask).max()]))
+            rows_kl.append((chunk, kl_rows, mask.sum(dim=1)))
+        total_loss, *summed = totals.tolist()  # the one wait for the device
+        sums.update(zip(SUMMED_METRICS, summed))
+        sums.update(zip(MAXIMUM_METRICS, maxima.tolist()))
+        for chunk, kl_rows, counts in rows_kl:
+            for sample, kl, count in zip(chunk, kl_rows.tolist(), counts.tolist()):
                 lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
                 lag[0], lag[1] = lag[0] + kl, lag[1] + count
-            sums["tis"] += (terms.tis_weight * mask).sum().item()
-            sums["ratio"] += (terms.importance_ratio * mask).sum().item()
-            sums["ratio_max"] = max(sums["ratio_max"], (terms.importance_ratio * mask).max().item())
-            sums["truncated"] += ((terms.importance_ratio > config.tis_cap).float() * mask).sum().item()
-            sums["clipped"] += (terms.clipped * mask).sum().item()
-            if terms.ref_kl is not None:
-                sums["ref_kl"] += (terms.ref_kl.detach() * mask).sum().item()
-            sums["max_diff"] = max(sums["max_diff"], (log_ratio.abs() * mask).max().item())
         sums["loss"] += total_loss
         return total_loss
 
@@ -346,6 +359,11 @@ class LearnerActor(Learner):
         redirect_output_to_log_file()
         model, served = load_policy(spec)
         super().__init__(model, spec.config, dtype_of(spec.rollout_dtype), served)
+
+
+SUMMED_METRICS = ("entropy", "kl", "tis", "ratio", "truncated", "clipped", "ref_kl")
+"""The step sums a mini-batch adds to, summed over its tokens (the loss is kept apart)."""
+MAXIMUM_METRICS = ("ratio_max", "max_diff")
 
 
 def new_step_sums() -> dict[str, float]:

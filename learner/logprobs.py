@@ -44,6 +44,16 @@ class _Rows:
     longest: int
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device` without waiting for the GPU: a plain copy from pageable host memory
+    synchronizes the stream (the host would wait for the previous micro-batch's backward before
+    queueing the next forward), one from pinned memory does not. Pinned blocks come from
+    PyTorch's caching host allocator, which keeps them until the copy is done."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _rows(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> _Rows:
     lengths = [len(prompt) + len(completion) for prompt, completion in pairs]
     input_ids = torch.full((len(pairs), max(lengths)), pad_id, dtype=torch.long)
@@ -157,10 +167,12 @@ def completion_logprobs(
     with lora_in_compute_dtype(head.weight):
         # no KV cache: a training forward has no later step to serve, and a cache makes each
         # compiled decoder layer guard on its own cache entry (one graph per layer, not one)
-        hidden = causal.get_decoder()(input_ids=batch.input_ids.to(device), attention_mask=batch.attention.to(device),
-                                      use_cache=False).last_hidden_state
-    picked = hidden[batch.rows.to(device), batch.predictors.to(device)]  # [tokens, hidden]
-    targets = batch.targets.to(device)
+        decoded = causal.get_decoder()(input_ids=to_device(batch.input_ids, device),
+                                       attention_mask=to_device(batch.attention, device), use_cache=False)
+    hidden = decoded.last_hidden_state
+    rows = to_device(batch.rows, device)
+    picked = hidden[rows, to_device(batch.predictors, device)]  # [tokens, hidden]
+    targets = to_device(batch.targets, device)
     chosen, entropy = [], []
     for first in range(0, picked.shape[0], LOGIT_CHUNK_TOKENS):
         args = (picked[first : first + LOGIT_CHUNK_TOKENS], head.weight, head.bias,
@@ -169,7 +181,7 @@ def completion_logprobs(
         chosen.append(scores[0])
         entropy.append(scores[1])
     shape = (len(pairs), batch.longest)
-    where = (batch.rows.to(device), batch.columns.to(device))
+    where = (rows, to_device(batch.columns, device))
     logprobs = torch.zeros(shape, device=device).index_put(where, torch.cat(chosen))
     entropies = torch.zeros(shape, device=device).index_put(where, torch.cat(entropy))
     mask = torch.zeros(shape, device=device).index_put(where, torch.ones_like(targets, dtype=torch.float32))
