@@ -235,13 +235,17 @@ class Learner:
                 totals = totals + batch_sums.double()
                 maxima = torch.maximum(maxima, torch.stack([ratio.max(), (log_ratio.abs() * mask).max()]))
             rows_kl.append((chunk, kl_rows, mask.sum(dim=1)))
-        total_loss, *summed = totals.tolist()  # the one wait for the device
+        # the one wait for the device: every figure in one copy (float64 holds each exactly)
+        per_sample = torch.cat([torch.stack([kl_rows, counts], dim=1) for _, kl_rows, counts in rows_kl])
+        figures = torch.cat([totals, maxima.double(), per_sample.double().flatten()]).tolist()
+        head = len(totals) + len(maxima)
+        total_loss, *summed = figures[: len(totals)]
         sums.update(zip(SUMMED_METRICS, summed))
-        sums.update(zip(MAXIMUM_METRICS, maxima.tolist()))
-        for chunk, kl_rows, counts in rows_kl:
-            for sample, kl, count in zip(chunk, kl_rows.tolist(), counts.tolist()):
-                lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
-                lag[0], lag[1] = lag[0] + kl, lag[1] + count
+        sums.update(zip(MAXIMUM_METRICS, figures[len(totals): head]))
+        in_order = (sample for chunk, _, _ in rows_kl for sample in chunk)
+        for sample, kl, count in zip(in_order, figures[head::2], figures[head + 1::2]):
+            lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
+            lag[0], lag[1] = lag[0] + kl, lag[1] + count
         sums["loss"] += total_loss
         return total_loss
 
