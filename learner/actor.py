@@ -89,8 +89,8 @@ class Learner:
         self.served = served
         self.pad_id = model.config.pad_token_id or 0
         self.lora_params = [p for p in model.parameters() if p.requires_grad]
-        # on a GPU one fused kernel for every LoRA tensor (the for-each path launched a few per
-        # group of tensors: 5 ms of a 276 ms 7B learner step on an H100, BENCHMARKS.md 2026-12-07)
+        # on a GPU one fused kernel for every LoRA tensor (the for-each path launches a few per
+        # group of tensors: the optimizer's share of a 7B learner profile, BENCHMARKS.md)
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay,
                                            fused=device_type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, config))

@@ -1,0 +1,104 @@
+"""The W8A8 learner's per-token fp8 rounding as a Triton kernel (`learner.fp8_kernels`) against the
+CPU reference (`learner.fp8_layers.quantize_per_token`), where Triton is installed: under Triton's
+CPU interpreter, and lowered to sm_90 code. The GPU tier compares the kernel with vLLM's kernels
+bit for bit (tests/integration/test_w8a8_gpu.py).
+
+The interpreter's own conversion to fp8 is not the GPU's (it rounds ties away from zero and drops
+the carry when a value rounds up to the next power of two: 126.9 becomes 64), so the codes are
+compared with the reference's values before their conversion, converted by the interpreter too:
+equal codes then mean equal values before the conversion, up to ties: the interpreter rounds a
+value a hair off a tie as the tie, so `divide` and `reciprocal`, which part on ties, look alike
+here and only the GPU test tells them apart. The scales are compared bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (the GPU tier runs the kernel)")
+
+CHECK = r"""
+import torch
+import triton
+import triton.language as tl
+from learner.fp8_kernels import quantize_per_token_gpu
+from learner.fp8_layers import quantize_per_token
+from shared.formats import FP8_ROUNDINGS
+
+generator = torch.Generator().manual_seed(0)
+random = torch.randn(6, 5000, generator=generator) * torch.logspace(-3, 2, 6).reshape(-1, 1)  # two passes of 4,096
+random[0] = 0.0  # the floor scale
+random[1, 7] = 4.0e4  # one huge value
+random = random.to(torch.bfloat16)
+# every bf16 value up to an absolute max of 1568: the three roundings give 60 to 186 codes apart
+# here (none below 1e-30, which the interpreter, not the GPU, flushes to zero on the way)
+finite = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+finite = finite[finite.isfinite() & (finite.abs() <= 1568.0) & ((finite.abs() >= 1e-30) | (finite == 0))]
+every_value = torch.cat([torch.tensor([1568.0]), finite]).to(torch.bfloat16).reshape(1, -1)
+
+
+@triton.jit
+def to_fp8(values_ptr, codes_ptr, count, block: tl.constexpr):
+    offsets = tl.program_id(0) * block + tl.arange(0, block)
+    values = tl.load(values_ptr + offsets, mask=offsets < count)
+    tl.store(codes_ptr + offsets, values.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=offsets < count)
+
+
+def interpreter_codes(values):
+    codes = torch.empty(values.shape, dtype=torch.float8_e4m3fn)
+    to_fp8[(triton.cdiv(values.numel(), 1024),)](values.contiguous(), codes, values.numel(), 1024)
+    return codes
+
+
+failures = []
+for rounding in FP8_ROUNDINGS:
+    for name, x in (("random", random), ("every bf16 value", every_value)):
+        want_codes, want_scale = quantize_per_token(x, rounding)
+        codes, scale = quantize_per_token_gpu(x, rounding)
+        if codes.dtype != torch.float8_e4m3fn or scale.shape != want_scale.shape:
+            failures.append(f"{rounding}, {name}: {codes.dtype} {tuple(scale.shape)}")
+        if not torch.equal(scale.view(torch.int32), want_scale.view(torch.int32)):
+            failures.append(f"{rounding}, {name}: scales {scale.flatten().tolist()} vs {want_scale.flatten().tolist()}")
+        # the reference's values before the conversion (learner.fp8_layers.quantize_per_token)
+        x32 = x.float()
+        scaled = x32 / want_scale if rounding == "divide" else x32 * want_scale.reciprocal()
+        want = interpreter_codes(scaled.clamp(-448.0, 448.0))
+        off = (codes.view(torch.uint8) != want.view(torch.uint8)).sum().item()
+        if off:
+            failures.append(f"{rounding}, {name}: {off} of {codes.numel()} codes off")
+assert not failures, failures
+print("ok")
+"""
+
+
+@NEEDS_TRITON
+def test_per_token_fp8_kernel_matches_the_reference_under_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+@NEEDS_TRITON
+def test_per_token_fp8_kernel_compiles_for_hopper_without_a_gpu():
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from learner import fp8_kernels
+    from learner.fp8_layers import FP8_MAX, MIN_SCALE
+    from shared.formats import FP8_ROUNDINGS
+
+    for mode in range(len(FP8_ROUNDINGS)):
+        source = ASTSource(fn=fp8_kernels._per_token_fp8_kernel,
+                           signature={"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
+                                      **dict.fromkeys(("mode", "fp8_max", "min_scale", "block"), "constexpr")},
+                           constexprs={"mode": mode, "fp8_max": FP8_MAX, "min_scale": MIN_SCALE,
+                                       "block": fp8_kernels.BLOCK})
+        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
