@@ -1,10 +1,13 @@
-"""The W8A8 learner's per-token fp8 rounding on a GPU: one Triton kernel, launched directly.
+"""The W8A8 learner's GPU kernels: the per-token fp8 rounding of a layer's input, and the weight
+rebuilt for the input gradient, each one Triton kernel launched directly.
 
 `learner.fp8_layers.quantize_per_token` rounds every base layer's input to fp8 per token, as the
 engine does. In eager PyTorch that is about ten kernels a layer (cast, abs, max, divisions, clamps,
 the fp8 cast), a large share of the W8A8 learner's step (BENCHMARKS.md, H100 2026-12-06, night).
 This kernel reads a row twice (its absolute max, then the codes) and writes the codes and the
-row's scale.
+row's scale. In backward, dX = dY W needs the dense weight: `fp8_weight_gpu` writes it in dY's
+dtype in one pass (codes times the row's scale in fp32, rounded once), where eager PyTorch cast
+the codes, multiplied and cast again.
 
 Its arithmetic is the reference's for each rounding (shared.formats.FP8_ROUNDINGS): the absolute
 max in fp32; the scale as amax / 448 with IEEE division (`divide`, `reciprocal`) or amax times
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from learner.fp8_layers import FP8_MAX, MIN_SCALE
+from learner.packed_kernels import TRITON_DTYPES, _e4m3_to_float, _round_to
 from shared.formats import FP8_ROUNDINGS
 
 BLOCK = 4096  # values of a row per pass: a 7B model's rows are 3,584 or 18,944 wide
@@ -68,3 +72,25 @@ def quantize_per_token_gpu(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor
         mode = FP8_ROUNDINGS.index(rounding)
         _per_token_fp8_kernel[(rows.shape[0],)](rows, codes, scale, rows.shape[1], mode, FP8_MAX, MIN_SCALE, BLOCK)
     return codes.reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
+
+
+@triton.jit
+def _fp8_weight_kernel(codes_ptr, scale_ptr, out_ptr, rows_total, width, out_dtype: tl.constexpr,
+                       block_rows: tl.constexpr, block_cols: tl.constexpr):
+    """codes x per-row scale in fp32, rounded once to `out_dtype` (the fp8 value times a 16-bit
+    scale is exact in fp32, so this is also the 16-bit product the reference takes)."""
+    rows = (tl.program_id(0) * block_rows + tl.arange(0, block_rows)).to(tl.int64)[:, None]
+    cols = (tl.program_id(1) * block_cols + tl.arange(0, block_cols))[None, :]
+    mask = (rows < rows_total) & (cols < width)
+    bits = tl.load(codes_ptr + rows * width + cols, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptr + rows, mask=rows < rows_total, other=0).to(tl.float32)
+    tl.store(out_ptr + rows * width + cols, _round_to(_e4m3_to_float(bits) * scale, out_dtype), mask=mask)
+
+
+def fp8_weight_gpu(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight of a W8A8 layer in `dtype`: fp8 codes [out, in] x scales [out, 1]."""
+    out = torch.empty(qweight.shape, dtype=dtype, device=qweight.device)
+    grid = (triton.cdiv(qweight.shape[0], 8), triton.cdiv(qweight.shape[1], 256))
+    _fp8_weight_kernel[grid](qweight.contiguous().view(torch.uint8), scale.contiguous(), out, qweight.shape[0],
+                             qweight.shape[1], TRITON_DTYPES[dtype], 8, 256)
+    return out

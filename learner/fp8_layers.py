@@ -112,7 +112,11 @@ class Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         layer = ctx.layer
-        if layer.scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
+        if grad_output.is_cuda:  # the same product and rounding as below, one kernel
+            from learner.fp8_kernels import fp8_weight_gpu
+
+            weight = fp8_weight_gpu(layer.qweight, layer.scale, grad_output.dtype)
+        elif layer.scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
             weight = layer.qweight.to(grad_output.dtype) * layer.scale
         else:
             weight = layer.dequantized_weight().to(grad_output.dtype)

@@ -72,13 +72,30 @@ for rounding in FP8_ROUNDINGS:
         off = (codes.view(torch.uint8) != want.view(torch.uint8)).sum().item()
         if off:
             failures.append(f"{rounding}, {name}: {off} of {codes.numel()} codes off")
+
+# the weight for the input gradient: codes x per-row scale, as Fp8Matmul.backward's CPU branches
+from learner.fp8_kernels import fp8_weight_gpu
+
+bits = torch.randint(0, 256, (20, 300), generator=generator, dtype=torch.int32).to(torch.uint8)
+bits[(bits & 0x7F) == 0x7F] = 0x3C  # e4m3fn's NaN codes hold no weight
+qweight = bits.view(torch.float8_e4m3fn)
+for scale_dtype in (torch.float16, torch.float32):
+    scale = (torch.rand(20, 1, generator=generator) * 0.01 + 1e-4).to(scale_dtype)
+    for dtype in (torch.float16, torch.float32):
+        if scale.dtype == dtype:
+            want = qweight.to(dtype) * scale
+        else:
+            want = (qweight.float() * scale.float()).to(dtype)
+        got = fp8_weight_gpu(qweight, scale, dtype)
+        if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+            failures.append(f"fp8 weight, {scale_dtype} scales -> {dtype}")
 assert not failures, failures
 print("ok")
 """
 
 
 @NEEDS_TRITON
-def test_per_token_fp8_kernel_matches_the_reference_under_the_interpreter():
+def test_w8a8_kernels_match_the_reference_under_the_interpreter():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
@@ -86,8 +103,9 @@ def test_per_token_fp8_kernel_matches_the_reference_under_the_interpreter():
 
 
 @NEEDS_TRITON
-def test_per_token_fp8_kernel_compiles_for_hopper_without_a_gpu():
+def test_w8a8_kernels_compile_for_hopper_without_a_gpu():
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -102,3 +120,9 @@ def test_per_token_fp8_kernel_compiles_for_hopper_without_a_gpu():
                            constexprs={"mode": mode, "fp8_max": FP8_MAX, "min_scale": MIN_SCALE,
                                        "block": fp8_kernels.BLOCK})
         assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    weight = ASTSource(fn=fp8_kernels._fp8_weight_kernel,
+                       signature={"codes_ptr": "*u8", "scale_ptr": "*bf16", "out_ptr": "*bf16", "rows_total": "i32",
+                                  "width": "i32",
+                                  **dict.fromkeys(("out_dtype", "block_rows", "block_cols"), "constexpr")},
+                       constexprs={"out_dtype": tl.bfloat16, "block_rows": 8, "block_cols": 256})
+    assert triton.compile(weight, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
