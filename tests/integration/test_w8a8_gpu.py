@@ -60,6 +60,24 @@ def test_per_token_rounding_is_vllms_cuda_kernel_bit_for_bit(tokens, dtype):
     assert report["scales_off"] == 0 and report["codes_off"] == 0, report
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES_7B)
+def test_backward_weight_kernel_is_the_cpu_product_bit_for_bit(shape, scale_dtype):
+    """The W8A8 backward's dense weight (learner.fp8_kernels.fp8_weight_gpu) against the CPU's:
+    fp8 codes x row scales rounded once to the gradient's dtype."""
+    from learner.fp8_kernels import fp8_weight_gpu
+
+    generator = torch.Generator().manual_seed(shape[0] + shape[1])
+    bits = torch.randint(0, 256, shape, generator=generator, dtype=torch.int32).to(torch.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x3C  # no NaN codes
+    qweight = bits.view(torch.float8_e4m3fn)
+    scale = (torch.rand(shape[0], 1, generator=generator) * 0.01 + 1e-4).to(scale_dtype)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = qweight.to(dtype) * scale if scale.dtype == dtype else (qweight.float() * scale.float()).to(dtype)
+        got = fp8_weight_gpu(qweight.cuda(), scale.cuda(), dtype).cpu()
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), dtype
+
+
 @pytest.mark.parametrize("emulate_division", [False, True])
 def test_compiled_quant_fp8_on_a_gpu_is_the_learners_by_constant_rounding(emulate_division, monkeypatch):
     """What a compiled engine (enforce_eager off) runs: QuantFP8.forward_native under Inductor.
