@@ -167,8 +167,10 @@ def completion_logprobs(
     with lora_in_compute_dtype(head.weight):
         # no KV cache: a training forward has no later step to serve, and a cache makes each
         # compiled decoder layer guard on its own cache entry (one graph per layer, not one)
-        decoded = causal.get_decoder()(input_ids=to_device(batch.input_ids, device),
-                                       attention_mask=to_device(batch.attention, device), use_cache=False)
+        # rows of one length need no mask: transformers then skips its padding check, which waits for the GPU
+        attention = None if bool(batch.attention.all()) else to_device(batch.attention, device)
+        decoded = causal.get_decoder()(input_ids=to_device(batch.input_ids, device), attention_mask=attention,
+                                       use_cache=False)
     hidden = decoded.last_hidden_state
     rows = to_device(batch.rows, device)
     picked = hidden[rows, to_device(batch.predictors, device)]  # [tokens, hidden]
