@@ -23,7 +23,7 @@
 # (qerl bench rebuild); step-7b runs the whole RL step (qerl bench step)
 # of the 7B bf16 and int4 pairs sharing the GPU (FORMATS: others; GPU_GIB: a --gpu-memory-gib, 76 on an
 # 80 GB card), step-7b-80g the same on long-tailed completion
-# lengths within an 80 GiB budget, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
+# lengths within an 80 GiB budget, step-7b-48g both within 48 GiB, step-7b-nvfp4 the NVFP4 pair alone (STEPS timed steps, default 2);
 # write-32b-int4 then step-32b the 32B int4 pair (GPU_GIB, KV_GIB); learner-formats the 7B learner alone
 # per base format at one micro-batch (FORMATS), with MFU; step-7b-profile one pair's step (FORMAT, default int4)
 # with its learner phase profiled; learner-tests the learner's GPU tests; learner-profile
@@ -250,6 +250,13 @@ for stage in ${*:-tests rollout sync learner train}; do
     step-7b-80g)
       run step_7b_80g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
           --steps 2 --lengths lognormal --gpu-memory-gib 80 --json "$out/step_7b_80g.json" ;;
+    step-7b-48g)
+      # the bf16 and int4 pairs within 48 GiB (an L40S- or A6000-class card), 6 GiB of KV cache each: the
+      # bf16 learner must recompute or shrink its micro-batches there, the int4 one need not (issue 22's
+      # "memory becomes speed"; at 80 GiB both fit without recompute)
+      run step_7b_48g qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats bf16,int4 \
+          --steps "${STEPS:-2}" --gpu-memory-gib 48 rollout.kv_cache_memory_bytes=6442450944 \
+          --json "$out/step_7b_48g.json" ;;
     step-7b-profile)
       # one 7B pair's step (FORMAT, default int4), then its learner phase profiled in the learner's
       # process: where the int4 learner's extra time over bf16's goes (GPU_GIB: an --gpu-memory-gib)
