@@ -225,30 +225,11 @@ class Learner:
             terms = policy_loss_terms(inputs, config.clip_eps, config.upper_clip(), config.tis_cap, config.kl_coef)
             loss = aggregate(terms.per_token, mask, config.aggregation(), total_seqs, total_tokens)
             loss.backward()
-            with torch.no_grad():
-                log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
-                kl_rows = (((log_ratio.exp() - 1) - log_ratio) * mask).sum(dim=1)
-                ratio = terms.importance_ratio * mask
-                ref_kl = (terms.ref_kl * mask).sum() if terms.ref_kl is not None else torch.zeros((), device=device)
-                # in SUMMED_METRICS' order, after the loss
-                batch_sums = torch.stack([loss.detach(), (scores.entropy * mask).sum(), kl_rows.sum(),
-                                          (terms.tis_weight * mask).sum(), ratio.sum(),
-                                          ((terms.importance_ratio > config.tis_cap).float() * mask).sum(),
-                                          (terms.clipped * mask).sum(), ref_kl.detach()])
-                totals = totals + batch_sums.double()
-                maxima = torch.maximum(maxima, torch.stack([ratio.max(), (log_ratio.abs() * mask).max()]))
+            batch_sums, batch_maxima, kl_rows = _micro_batch_figures(loss, scores, inputs, terms, config.tis_cap)
+            totals = totals + batch_sums
+            maxima = torch.maximum(maxima, batch_maxima)
             rows_kl.append((chunk, kl_rows, mask.sum(dim=1)))
-        # the one wait for the device: every figure in one copy (float64 holds each exactly)
-        per_sample = torch.cat([torch.stack([kl_rows, counts], dim=1) for _, kl_rows, counts in rows_kl])
-        figures = torch.cat([totals, maxima.double(), per_sample.double().flatten()]).tolist()
-        head = len(totals) + len(maxima)
-        total_loss, *summed = figures[: len(totals)]
-        sums.update(zip(SUMMED_METRICS, summed))
-        sums.update(zip(MAXIMUM_METRICS, figures[len(totals): head]))
-        in_order = (sample for chunk, _, _ in rows_kl for sample in chunk)
-        for sample, kl, count in zip(in_order, figures[head::2], figures[head + 1::2]):
-            lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
-            lag[0], lag[1] = lag[0] + kl, lag[1] + count
+        total_loss = _read_figures(totals, maxima, rows_kl, sums, by_lag)
         sums["loss"] += total_loss
         return total_loss
 
@@ -375,8 +356,41 @@ MAXIMUM_METRICS = ("ratio_max", "max_diff")
 
 def new_step_sums() -> dict[str, float]:
     """The running sums (and maxima) a train step's metrics come from."""
-    return dict.fromkeys(("loss", "entropy", "kl", "tis", "ratio", "ratio_max", "truncated", "clipped", "ref_kl",
-                          "grad_norm", "max_diff"), 0.0)
+    return dict.fromkeys(("loss", *SUMMED_METRICS, *MAXIMUM_METRICS, "grad_norm"), 0.0)
+
+
+def _read_figures(totals: torch.Tensor, maxima: torch.Tensor,
+                  rows_kl: list[tuple[list[TrainSample], torch.Tensor, torch.Tensor]], sums: dict[str, float],
+                  by_lag: dict[int, list[float]]) -> float:
+    """The mini-batch's figures into `sums` and `by_lag` in one copy from the device (float64
+    holds each exactly); returns the loss."""
+    per_sample = torch.cat([torch.stack([kl_rows, counts], dim=1) for _, kl_rows, counts in rows_kl])
+    figures = torch.cat([totals, maxima.double(), per_sample.double().flatten()]).tolist()
+    head = len(totals) + len(maxima)
+    total_loss, *summed = figures[: len(totals)]
+    sums.update(zip(SUMMED_METRICS, summed))
+    sums.update(zip(MAXIMUM_METRICS, figures[len(totals): head]))
+    in_order = (sample for chunk, _, _ in rows_kl for sample in chunk)
+    for sample, kl, count in zip(in_order, figures[head::2], figures[head + 1::2]):
+        lag = by_lag.setdefault(sample.staleness, [0.0, 0.0])
+        lag[0], lag[1] = lag[0] + kl, lag[1] + count
+    return total_loss
+
+
+@torch.no_grad()
+def _micro_batch_figures(loss: torch.Tensor, scores, inputs: PolicyLossInputs, terms,
+                         tis_cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch's figures, on the device: float64 [loss, *SUMMED_METRICS], fp32
+    [*MAXIMUM_METRICS], and KL(rollout||learner) summed over each row's tokens."""
+    mask = scores.mask
+    log_ratio = inputs.old_logprobs - inputs.rollout_logprobs  # log pi_learner / pi_rollout
+    kl_rows = (((log_ratio.exp() - 1) - log_ratio) * mask).sum(dim=1)
+    ratio = terms.importance_ratio * mask
+    ref_kl = (terms.ref_kl * mask).sum() if terms.ref_kl is not None else torch.zeros((), device=mask.device)
+    sums = torch.stack([loss.detach(), (scores.entropy * mask).sum(), kl_rows.sum(), (terms.tis_weight * mask).sum(),
+                        ratio.sum(), ((terms.importance_ratio > tis_cap).float() * mask).sum(),
+                        (terms.clipped * mask).sum(), ref_kl.detach()])
+    return sums.double(), torch.stack([ratio.max(), (log_ratio.abs() * mask).max()]), kl_rows
 
 
 def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
