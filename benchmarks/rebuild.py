@@ -18,6 +18,7 @@ micro-batch (two per layer: forward and input gradient) times the slower of devi
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -44,10 +45,7 @@ def weight_shapes(folder) -> dict[tuple[int, int], int]:
     """{(out_features, in_features): how many linear layers have that shape} (the head excluded)."""
     from benchmarks.random_adapter import linear_layer_shapes
 
-    counts: dict[tuple[int, int], int] = {}
-    for fan_in, fan_out in linear_layer_shapes(folder).values():
-        counts[(fan_out, fan_in)] = counts.get((fan_out, fan_in), 0) + 1
-    return counts
+    return dict(Counter((fan_out, fan_in) for fan_in, fan_out in linear_layer_shapes(folder).values()))
 
 
 def random_packed_layer(scheme: str, out_features: int, in_features: int, group_size: int,
@@ -76,20 +74,17 @@ def rebuilds(layer: torch.nn.Module, dtype: torch.dtype) -> dict[str, Callable[[
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     if isinstance(layer, Int4Linear):
-        def reference():
-            return int4_weight(layer.qweight, layer.scale, layer.in_features, layer.group_size).to(dtype)
+        function = int4_weight
+        def arguments():
+            return layer.qweight, layer.scale, layer.in_features, layer.group_size
     else:
-        def reference():  # the division by the global scale in eager fp32, as the compiled rebuild kept it
-            return nvfp4_weight(layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, dtype)
-    compiled = torch.compile(int4_weight if isinstance(layer, Int4Linear) else nvfp4_weight, dynamic=False,
-                             fullgraph=True)
-    if isinstance(layer, Int4Linear):
-        def compiled_reference():
-            return compiled(layer.qweight, layer.scale, layer.in_features, layer.group_size).to(dtype)
-    else:
-        def compiled_reference():
-            return compiled(layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, dtype)
-    return {"learner": lambda: layer.dequantized_weight(dtype), "compiled": compiled_reference, "eager": reference}
+        function = nvfp4_weight
+        def arguments():  # the division by the global scale in eager fp32, as the compiled rebuild kept it
+            return layer.qweight, layer.scale.to(torch.float32) / layer.global_scale, dtype
+    compiled = torch.compile(function, dynamic=False, fullgraph=True)
+    return {"learner": lambda: layer.dequantized_weight(dtype),
+            "compiled": lambda: compiled(*arguments()).to(dtype),
+            "eager": lambda: function(*arguments()).to(dtype)}
 
 
 def time_call(call: Callable[[], torch.Tensor], repeats: int) -> tuple[float, float]:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from learner.fp8_layers import FP8_MAX, MIN_SCALE
-from learner.packed_kernels import TRITON_DTYPES, _e4m3_to_float, _round_to
+from learner.packed_kernels import TRITON_DTYPES, _e4m3_to_float, _launch, _round_to, _rows
 from shared.formats import FP8_ROUNDINGS
 
 BLOCK = 4096  # values of a row per pass: a 7B model's rows are 3,584 or 18,944 wide
@@ -62,9 +62,8 @@ def _per_token_fp8_kernel(x_ptr, codes_ptr, scale_ptr, width, mode: tl.constexpr
 
 
 def quantize_per_token_gpu(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 codes of `x` (a CUDA tensor) and their fp32 scales [..., 1], one per row."""
-    if rounding not in FP8_ROUNDINGS:
-        raise ValueError(f"unknown fp8 activation rounding {rounding!r}")
+    """fp8 codes of `x` (a CUDA tensor) and their fp32 scales [..., 1], one per row (`rounding`
+    checked by `quantize_per_token`)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     codes = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
@@ -76,10 +75,10 @@ def quantize_per_token_gpu(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor
 
 @triton.jit
 def _fp8_weight_kernel(codes_ptr, scale_ptr, out_ptr, rows_total, width, out_dtype: tl.constexpr,
-                       block_rows: tl.constexpr, block_cols: tl.constexpr):
+                       block_rows: tl.constexpr, block_cols: tl.constexpr, wide: tl.constexpr):
     """codes x per-row scale in fp32, rounded once to `out_dtype` (the fp8 value times a 16-bit
     scale is exact in fp32, so this is also the 16-bit product the reference takes)."""
-    rows = (tl.program_id(0) * block_rows + tl.arange(0, block_rows)).to(tl.int64)[:, None]
+    rows = _rows(rows_total, block_rows, wide)[:, None]
     cols = (tl.program_id(1) * block_cols + tl.arange(0, block_cols))[None, :]
     mask = (rows < rows_total) & (cols < width)
     bits = tl.load(codes_ptr + rows * width + cols, mask=mask, other=0).to(tl.int32)
@@ -90,7 +89,6 @@ def _fp8_weight_kernel(codes_ptr, scale_ptr, out_ptr, rows_total, width, out_dty
 def fp8_weight_gpu(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight of a W8A8 layer in `dtype`: fp8 codes [out, in] x scales [out, 1]."""
     out = torch.empty(qweight.shape, dtype=dtype, device=qweight.device)
-    grid = (triton.cdiv(qweight.shape[0], 8), triton.cdiv(qweight.shape[1], 256))
-    _fp8_weight_kernel[grid](qweight.contiguous().view(torch.uint8), scale.contiguous(), out, qweight.shape[0],
-                             qweight.shape[1], TRITON_DTYPES[dtype], 8, 256)
+    _launch(_fp8_weight_kernel, qweight.shape[0], qweight.shape[1], qweight.contiguous().view(torch.uint8),
+            scale.contiguous(), out, qweight.shape[0], qweight.shape[1], TRITON_DTYPES[dtype])
     return out

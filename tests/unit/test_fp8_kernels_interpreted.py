@@ -123,6 +123,6 @@ def test_w8a8_kernels_compile_for_hopper_without_a_gpu():
     weight = ASTSource(fn=fp8_kernels._fp8_weight_kernel,
                        signature={"codes_ptr": "*u8", "scale_ptr": "*bf16", "out_ptr": "*bf16", "rows_total": "i32",
                                   "width": "i32",
-                                  **dict.fromkeys(("out_dtype", "block_rows", "block_cols"), "constexpr")},
-                       constexprs={"out_dtype": tl.bfloat16, "block_rows": 8, "block_cols": 256})
+                                  **dict.fromkeys(("out_dtype", "block_rows", "block_cols", "wide"), "constexpr")},
+                       constexprs={"out_dtype": tl.bfloat16, "block_rows": 8, "block_cols": 256, "wide": False})
     assert triton.compile(weight, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
