@@ -65,9 +65,13 @@ def test_triton_rebuild_matches_the_reference_under_the_interpreter():
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="Triton is not installed (the GPU tier runs the kernels)")
 def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter runs the kernels' Python; this lowers them to sm_90 machine code with
-    Triton's bundled ptxas, so a kernel that only the interpreter accepts fails here, not on a
-    leased GPU."""
+    """The interpreter runs the kernels' Python; this lowers them to sm_90 code with Triton's
+    bundled ptxas, so a kernel that only the interpreter accepts fails here, not on a leased GPU.
+    It also checks that every store of the output is a 16-byte vector, as the JIT compiles them for
+    sizes divisible by 16 (all of Qwen2.5's): NVFP4's first tiled kernel stored 4 bytes at a time
+    and ran at a quarter of the memory floor on an H100 (BENCHMARKS.md, H100 2026-12-07, midday)."""
+    import re
+
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -77,15 +81,20 @@ def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
 
     tiles = {"block_rows": packed_kernels.BLOCK_ROWS, "block_cols": packed_kernels.BLOCK_COLS, "wide": False}
     sizes = dict.fromkeys(("rows_total", "in_features", "scales_per_row"), "i32")
-    int4 = ASTSource(fn=packed_kernels._int4_rebuild_kernel,
-                     signature={"qweight_ptr": "*i32", "scale_ptr": "*bf16", "out_ptr": "*bf16", **sizes,
-                                "words_per_row": "i32", **dict.fromkeys(("group_size", "scale_dtype", "out_dtype",
-                                                                         *tiles), "constexpr")},
-                     constexprs={"group_size": 128, "scale_dtype": tl.bfloat16, "out_dtype": tl.bfloat16, **tiles})
-    nvfp4 = ASTSource(fn=packed_kernels._nvfp4_rebuild_kernel,
-                      signature={"qweight_ptr": "*u8", "scale_ptr": "*u8", "global_scale_ptr": "*fp32",
-                                 "out_ptr": "*bf16", **sizes, "bytes_per_row": "i32",
-                                 **dict.fromkeys(("out_dtype", *tiles), "constexpr")},
-                      constexprs={"out_dtype": tl.bfloat16, **tiles})
-    for source in (int4, nvfp4):
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+    int4 = {"qweight_ptr": "*i32", "scale_ptr": "*bf16", "out_ptr": "*bf16", **sizes, "words_per_row": "i32",
+            **dict.fromkeys(("group_size", "scale_dtype", "out_dtype", *tiles), "constexpr")}
+    nvfp4 = {"qweight_ptr": "*u8", "scale_ptr": "*u8", "global_scale_ptr": "*fp32", "out_ptr": "*bf16", **sizes,
+             "bytes_per_row": "i32", **dict.fromkeys(("out_dtype", *tiles), "constexpr")}
+    sources = {
+        "int4": (packed_kernels._int4_rebuild_kernel, int4,
+                 {"group_size": 128, "scale_dtype": tl.bfloat16, "out_dtype": tl.bfloat16, **tiles}),
+        "nvfp4": (packed_kernels._nvfp4_rebuild_kernel, nvfp4, {"out_dtype": tl.bfloat16, **tiles}),
+    }
+    for name, (kernel, signature, constexprs) in sources.items():
+        divisible = {(index,): [["tt.divisibility", 16]] for index, (argument, kind) in enumerate(signature.items())
+                     if kind != "constexpr" and argument != "rows_total"}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], name
+        stores = re.findall(r"\bst\.global\.([\w.]+)", compiled.asm["ptx"])
+        assert stores and all(kind.startswith("v4.") for kind in stores), (name, stores)
