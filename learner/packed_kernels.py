@@ -4,10 +4,12 @@
 (forward, backward, and the recompute where checkpointing is on), inside the `packed_matmul`
 custom op. A plain Triton launch spares the host dynamo's guards and AOTAutograd's wrappers,
 which a `torch.compile`d rebuild pays on every call. On the device the kernels work in tiles
-shaped like the packing (rows x words x codes), with 32-bit offsets: each packed word and each
-scale is loaded once, no weight needs a division or modulo, and NVFP4 divides each group's
-scale by the global scale once, not once per weight. The first, flat version of these kernels
-took longer on the device than the compiled rebuild (BENCHMARKS.md, H100 2026-12-07).
+shaped like the packing (int4: rows x words x codes; NVFP4: rows x groups x 16 values), with
+32-bit offsets: each packed word and each scale is loaded once, no weight needs a division or
+modulo, NVFP4 divides each group's scale by the global scale once, not once per weight, and each
+tile's innermost axis is at least 8 contiguous outputs, so stores are 16-byte vectors. The first,
+flat version of these kernels took longer on the device than the compiled rebuild (BENCHMARKS.md,
+H100 2026-12-07).
 
 The arithmetic is the CPU reference's, step for step, so the GPU test compares the two bit for
 bit: int4 codes times the group scale rounded to the scales' dtype, then to the output dtype;
