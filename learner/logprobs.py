@@ -6,8 +6,9 @@ model, plus as much again for their log-softmax) never exist at once, and prompt
 never projected. Under autograd only each chunk's hidden states and log-normalisers are kept: its
 logits are recomputed in backward (one GEMM) and turned straight into their gradient. On a GPU
 the work over the vocabulary (log-normaliser, chosen logprob and entropy in forward, the logits'
-gradient in backward) runs as compiled kernels that read the 16-bit logits once, instead of a
-dozen eager fp32 passes over them (the 7B learner profile in BENCHMARKS.md).
+gradient in backward) runs as two Triton kernels (`learner.vocab_kernels`) that read the 16-bit
+logits once, instead of a dozen eager fp32 passes over them (the 7B learner profile in
+BENCHMARKS.md); the CPU runs the eager reference below.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -93,15 +93,20 @@ def _logits_gradient(logits: torch.Tensor, targets: torch.Tensor, normaliser: to
     return ((onehot - probs) * (grad_chosen / temperature).unsqueeze(-1)).to(logits.dtype)
 
 
-@cache
-def _compiled(function: Callable) -> Callable:
-    # dynamic: the last chunk of every micro-batch has its own length
-    return torch.compile(function, dynamic=True)
+def _scores_on(device: torch.device) -> Callable:
+    if device.type != "cuda":
+        return _vocabulary_scores
+    from learner.vocab_kernels import vocabulary_scores_gpu  # Triton: imported on CUDA only
+
+    return vocabulary_scores_gpu
 
 
-def _on(device: torch.device, function: Callable) -> Callable:
-    """`function` compiled on a GPU (a fused reduction over the vocabulary), eager elsewhere."""
-    return _compiled(function) if device.type == "cuda" else function
+def _gradient_on(device: torch.device) -> Callable:
+    if device.type != "cuda":
+        return _logits_gradient
+    from learner.vocab_kernels import logits_gradient_gpu
+
+    return logits_gradient_gpu
 
 
 class _ChunkScores(torch.autograd.Function):
@@ -111,7 +116,7 @@ class _ChunkScores(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden, weight, bias)
-        chosen, normaliser, entropy = _on(logits.device, _vocabulary_scores)(logits, targets, temperature)
+        chosen, normaliser, entropy = _scores_on(logits.device)(logits, targets, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -121,7 +126,8 @@ class _ChunkScores(torch.autograd.Function):
     def backward(ctx, grad_chosen: torch.Tensor, _grad_entropy: torch.Tensor):
         hidden, weight, bias, targets, normaliser = ctx.saved_tensors
         logits = F.linear(hidden, weight, bias)  # recomputed: never kept between the passes
-        grad_logits = _on(logits.device, _logits_gradient)(logits, targets, normaliser, grad_chosen, ctx.temperature)
+        grad_logits = _gradient_on(logits.device)(logits, targets, normaliser, grad_chosen,
+                                                      ctx.temperature)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None

@@ -1,6 +1,6 @@
 """The learner on a GPU: compiled decoder layers (learner.compile_layers, on by default there)
 train as the eager ones for the dense, packed 4-bit and W8A8 bases, with LoRA computing in bf16
-from fp32 master weights, and the compiled vocabulary scores give the fp32 reference."""
+from fp32 master weights, and the Triton vocabulary scores give the fp32 reference."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients(tiny_model, tmp_pat
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [2048, 301])
 def test_the_fused_vocabulary_scores_on_the_gpu_give_the_fp32_reference(tokens):
-    """The compiled log-normaliser, chosen logprob, entropy and logits' gradient over a 152k
+    """The Triton kernels' log-normaliser, chosen logprob, entropy and logits' gradient over a 152k
     vocabulary (bf16 head, as a 7B learner has) against plain fp32 autograd on the same logits."""
     from learner.logprobs import _ChunkScores
 

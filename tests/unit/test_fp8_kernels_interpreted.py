@@ -12,16 +12,7 @@ here and only the GPU test tells them apart. The scales are compared bit for bit
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-NEEDS_TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                  reason="Triton is not installed (the GPU tier runs the kernel)")
+from triton_checks import NEEDS_TRITON, compile_for_hopper, run_under_interpreter
 
 CHECK = r"""
 import torch
@@ -96,33 +87,24 @@ print("ok")
 
 @NEEDS_TRITON
 def test_w8a8_kernels_match_the_reference_under_the_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+    run_under_interpreter(CHECK)
 
 
 @NEEDS_TRITON
 def test_w8a8_kernels_compile_for_hopper_without_a_gpu():
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from learner import fp8_kernels
     from learner.fp8_layers import FP8_MAX, MIN_SCALE
     from shared.formats import FP8_ROUNDINGS
 
     for mode in range(len(FP8_ROUNDINGS)):
-        source = ASTSource(fn=fp8_kernels._per_token_fp8_kernel,
-                           signature={"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
-                                      **dict.fromkeys(("mode", "fp8_max", "min_scale", "block"), "constexpr")},
-                           constexprs={"mode": mode, "fp8_max": FP8_MAX, "min_scale": MIN_SCALE,
-                                       "block": fp8_kernels.BLOCK})
-        assert triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
-    weight = ASTSource(fn=fp8_kernels._fp8_weight_kernel,
-                       signature={"codes_ptr": "*u8", "scale_ptr": "*bf16", "out_ptr": "*bf16", "rows_total": "i32",
-                                  "width": "i32",
-                                  **dict.fromkeys(("out_dtype", "block_rows", "block_cols", "wide"), "constexpr")},
-                       constexprs={"out_dtype": tl.bfloat16, "block_rows": 8, "block_cols": 256, "wide": False})
-    assert triton.compile(weight, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+        compile_for_hopper(fp8_kernels._per_token_fp8_kernel,
+                           {"x_ptr": "*bf16", "codes_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "width": "i32",
+                            **dict.fromkeys(("mode", "fp8_max", "min_scale", "block"), "constexpr")},
+                           {"mode": mode, "fp8_max": FP8_MAX, "min_scale": MIN_SCALE, "block": fp8_kernels.BLOCK})
+    compile_for_hopper(fp8_kernels._fp8_weight_kernel,
+                       {"codes_ptr": "*u8", "scale_ptr": "*bf16", "out_ptr": "*bf16", "rows_total": "i32",
+                        "width": "i32",
+                        **dict.fromkeys(("out_dtype", "block_rows", "block_cols", "wide"), "constexpr")},
+                       {"out_dtype": tl.bfloat16, "block_rows": 8, "block_cols": 256, "wide": False})

@@ -8,13 +8,7 @@ unpacking, group indexing, the e4m3 and e2m1 decoding, the IEEE division, the si
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from triton_checks import NEEDS_TRITON, compile_for_hopper, run_under_interpreter
 
 CHECK = r"""
 import torch
@@ -53,17 +47,12 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="Triton is not installed (the GPU tier runs the kernels)")
+@NEEDS_TRITON
 def test_triton_rebuild_matches_the_reference_under_the_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+    run_under_interpreter(CHECK)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="Triton is not installed (the GPU tier runs the kernels)")
+@NEEDS_TRITON
 def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter runs the kernels' Python; this lowers them to sm_90 code with Triton's
     bundled ptxas, so a kernel that only the interpreter accepts fails here, not on a leased GPU.
@@ -72,10 +61,7 @@ def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
     and ran at a quarter of the memory floor on an H100 (BENCHMARKS.md, H100 2026-12-07, midday)."""
     import re
 
-    import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from learner import packed_kernels
 
@@ -91,10 +77,8 @@ def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
         "nvfp4": (packed_kernels._nvfp4_rebuild_kernel, nvfp4, {"out_dtype": tl.bfloat16, **tiles}),
     }
     for name, (kernel, signature, constexprs) in sources.items():
-        divisible = {(index,): [["tt.divisibility", 16]] for index, (argument, kind) in enumerate(signature.items())
-                     if kind != "constexpr" and argument != "rows_total"}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=divisible),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm["cubin"], name
+        divisible = tuple(argument for argument, kind in signature.items()
+                          if kind != "constexpr" and argument != "rows_total")
+        compiled = compile_for_hopper(kernel, signature, constexprs, divisible=divisible)
         stores = re.findall(r"\bst\.global\.([\w.]+)", compiled.asm["ptx"])
         assert stores and all(kind.startswith("v4.") for kind in stores), (name, stores)
