@@ -221,6 +221,8 @@ for stage in ${*:-tests rollout sync learner train}; do
           rollout.enforce_eager=false rollout.gpu_memory_utilization=0.3 rollout.kv_cache_memory_bytes=1073741824 \
           lora.rank=8 lora.alpha=16 --json "$out/fidelity_w8a8_tiny_compiled.json" ;;
     step-7b)
+      # on an H100 two pairs may not fit one 10-minute call (per pair: an engine start of 86-142 s and a
+      # compiling warm-up step of 70-95 s): FORMATS=bf16, then FORMATS=int4 in a second call on the same machine
       run step_7b qerl bench step --config configs/bench_step_gpu.yaml --shape qwen2.5-7b --formats "${FORMATS:-bf16,int4}" \
           --steps "${STEPS:-2}" ${GPU_GIB:+--gpu-memory-gib "$GPU_GIB"} --json "$out/step_7b.json" ;;
     step-7b-nvfp4)
