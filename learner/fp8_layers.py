@@ -101,26 +101,53 @@ def _fp8_tensor_cores(codes: torch.Tensor, qweight: torch.Tensor, out_dtype: tor
             and qweight.shape[0] % 16 == 0 and qweight.shape[1] % 16 == 0)
 
 
-class Fp8Matmul(torch.autograd.Function):
-    """The engine's fp8 x fp8 product in forward; straight-through in backward (dX = dY W)."""
+# The engine's fp8 x fp8 product in forward, straight-through in backward (dX = dY W), as custom
+# ops: a compiled decoder layer (learner.compile_layers) traces through them without a graph break
+# (the 7 fp8 layers of a decoder layer otherwise cut it into 8 graphs, each with its own guards and
+# wrappers on the host) and cannot see inside, so the per-token rounding stays the arithmetic
+# written above (Inductor would rewrite its divisions, as it does in the engine). Only the fp8
+# codes and scales are saved for backward; nothing dense.
+@torch.library.custom_op("qerl::fp8_linear", mutates_args=())
+def fp8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  rounding: str) -> torch.Tensor:
+    return scaled_matmul(x, qweight, scale, bias, rounding)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-        ctx.layer = layer  # the layer holds the fp8 codes; nothing dense is saved
-        return scaled_matmul(x, layer.qweight, layer.scale, layer.bias, layer.rounding)
 
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        layer = ctx.layer
-        if grad_output.is_cuda:  # the same product and rounding as below, one kernel
-            from learner.fp8_kernels import fp8_weight_gpu
+@fp8_linear_op.register_fake
+def _(x, qweight, scale, bias, rounding):
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
 
-            weight = fp8_weight_gpu(layer.qweight, layer.scale, grad_output.dtype)
-        elif layer.scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
-            weight = layer.qweight.to(grad_output.dtype) * layer.scale
-        else:
-            weight = layer.dequantized_weight().to(grad_output.dtype)
-        return grad_output @ weight, None
+
+@torch.library.custom_op("qerl::fp8_linear_input_grad", mutates_args=())
+def fp8_linear_input_grad(grad_output: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dX = dY W, W the dequantized weight in dY's dtype."""
+    if grad_output.is_cuda:  # the same product and rounding as below, one kernel
+        from learner.fp8_kernels import fp8_weight_gpu
+
+        weight = fp8_weight_gpu(qweight, scale, grad_output.dtype)
+    elif scale.dtype == grad_output.dtype:  # fp8 x 16-bit scale is exact in fp32: one rounding either way
+        weight = qweight.to(grad_output.dtype) * scale
+    else:
+        weight = fp8_weight(qweight, scale).to(grad_output.dtype)
+    return grad_output @ weight
+
+
+@fp8_linear_input_grad.register_fake
+def _(grad_output, qweight, scale):
+    return grad_output.new_empty(*grad_output.shape[:-1], qweight.shape[1])
+
+
+def _save_fp8(ctx, inputs, output) -> None:
+    _, qweight, scale, _, _ = inputs
+    ctx.save_for_backward(qweight, scale)
+
+
+def _fp8_linear_backward(ctx, grad_output):
+    qweight, scale = ctx.saved_tensors
+    return fp8_linear_input_grad(grad_output, qweight, scale), None, None, None, None
+
+
+fp8_linear_op.register_autograd(_fp8_linear_backward, setup_context=_save_fp8)
 
 
 def set_activation_rounding(model: nn.Module, rounding: str) -> None:
@@ -158,8 +185,6 @@ class Fp8Linear(nn.Module):
         return fp8_linear(x, self)
 
 
-# Outside torch.compile (learner.compile_layers): the per-token rounding must stay the eager
-# arithmetic written above; Inductor would rewrite the divisions (as it does in the engine).
-@torch.compiler.disable
 def fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
-    return Fp8Matmul.apply(x, layer)  # the bias is added in fp32 inside, as the engine's epilogue does
+    # the bias is added in fp32 inside, as the engine's epilogue does
+    return fp8_linear_op(x, layer.qweight, layer.scale, layer.bias, layer.rounding)

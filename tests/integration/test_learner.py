@@ -230,12 +230,12 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
     assert all(p.dtype == torch.float32 and not torch.equal(p, b) for p, b in zip(bf16.lora_params, before))
 
 
-@pytest.mark.parametrize("policy_format", ["nf4-exact", "int4-dense"])
+@pytest.mark.parametrize("policy_format", ["nf4-exact", "int4-dense", "w8a8"])
 def test_compiled_decoder_layers_train_as_the_eager_ones(tiny_model, tmp_path, policy_format):
     """learner.compile_layers: the same loss and gradients as eager layers, with gradient
     checkpointing (the compiled layer is recomputed in backward) and micro-batches of several
-    widths (dynamic shapes); the packed int4 layers (int4-dense's learner) compile into the
-    layer's graph without breaking it."""
+    widths (dynamic shapes); the packed int4 layers (int4-dense's learner) and the fp8 ones
+    (w8a8's) compile into the layer's graph without breaking it."""
     from torch._dynamo.utils import counters
 
     results = []

@@ -64,7 +64,7 @@ for rounding in FP8_ROUNDINGS:
         if off:
             failures.append(f"{rounding}, {name}: {off} of {codes.numel()} codes off")
 
-# the weight for the input gradient: codes x per-row scale, as Fp8Matmul.backward's CPU branches
+# the weight for the input gradient: codes x per-row scale, as fp8_linear_input_grad's CPU branches
 from learner.fp8_kernels import fp8_weight_gpu
 
 bits = torch.randint(0, 256, (20, 300), generator=generator, dtype=torch.int32).to(torch.uint8)
