@@ -22,28 +22,31 @@ def _small_qwen2(layers: int):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).requires_grad_(False)
 
 
-def test_all_decoder_layers_run_one_compiled_graph():
+def _compiled_training_pass(model) -> dict:
+    """Compile `model`'s 6 decoder layers, run a forward and backward, return dynamo's counters."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    model = add_lora(_small_qwen2(layers=6), rank=4, alpha=8, target_modules="all-linear")
     assert compile_decoder_layers(model, backend="eager") == 6
     torch._dynamo.reset()
     counters.clear()
     pairs = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]
     scores = completion_logprobs(model, pairs, 1.0, pad_id=0)
     (scores.logprobs * scores.mask).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    return counters
+
+
+def test_all_decoder_layers_run_one_compiled_graph():
+    counters = _compiled_training_pass(add_lora(_small_qwen2(layers=6), rank=4, alpha=8, target_modules="all-linear"))
     # the first layer's input carries no gradient, the others' does: two graphs, whatever the depth
     assert counters["frames"]["ok"] == 2, dict(counters["frames"])
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 def test_fp8_layers_stay_inside_the_one_compiled_graph():
     """The W8A8 learner's fp8 matmuls are custom ops the compiled layer traces through: with them
     as a graph break (as until 2026-12-07) each decoder layer ran as 8 graphs."""
-    import torch._dynamo
     from peft import get_peft_model
-    from torch._dynamo.utils import counters
 
     from learner.fp8_layers import Fp8Linear
     from learner.packed_layers import _replace_linears, packed_lora_config
@@ -58,13 +61,7 @@ def test_fp8_layers_stay_inside_the_one_compiled_graph():
 
     model = _small_qwen2(layers=6)
     assert len(_replace_linears(model, fp8)) == 6 * 7
-    model = get_peft_model(model, packed_lora_config(model, rank=4, alpha=8, target_modules="all-linear"))
-    assert compile_decoder_layers(model, backend="eager") == 6
-    torch._dynamo.reset()
-    counters.clear()
-    pairs = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]
-    scores = completion_logprobs(model, pairs, 1.0, pad_id=0)
-    (scores.logprobs * scores.mask).sum().backward()
+    counters = _compiled_training_pass(get_peft_model(model, packed_lora_config(model, rank=4, alpha=8,
+                                                                                target_modules="all-linear")))
     assert counters["frames"]["ok"] == 2 and not counters["graph_break"], (dict(counters["frames"]),
                                                                            dict(counters["graph_break"]))
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
