@@ -8,7 +8,7 @@ unpacking, group indexing, the e4m3 and e2m1 decoding, the IEEE division, the si
 
 from __future__ import annotations
 
-from triton_checks import NEEDS_TRITON, compile_for_hopper, run_under_interpreter
+from triton_checks import NEEDS_TRITON, assert_16_byte_stores, compile_for_hopper, run_under_interpreter
 
 CHECK = r"""
 import torch
@@ -59,8 +59,6 @@ def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
     It also checks that every store of the output is a 16-byte vector, as the JIT compiles them for
     sizes divisible by 16 (all of Qwen2.5's): NVFP4's first tiled kernel stored 4 bytes at a time
     and ran at a quarter of the memory floor on an H100 (BENCHMARKS.md, H100 2026-12-07, midday)."""
-    import re
-
     import triton.language as tl
 
     from learner import packed_kernels
@@ -79,6 +77,4 @@ def test_triton_rebuild_kernels_compile_for_hopper_without_a_gpu():
     for name, (kernel, signature, constexprs) in sources.items():
         divisible = tuple(argument for argument, kind in signature.items()
                           if kind != "constexpr" and argument != "rows_total")
-        compiled = compile_for_hopper(kernel, signature, constexprs, divisible=divisible)
-        stores = re.findall(r"\bst\.global\.([\w.]+)", compiled.asm["ptx"])
-        assert stores and all(kind.startswith("v4.") for kind in stores), (name, stores)
+        assert_16_byte_stores(compile_for_hopper(kernel, signature, constexprs, divisible=divisible).asm["ptx"], name)

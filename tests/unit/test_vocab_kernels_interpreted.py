@@ -6,9 +6,7 @@ sm_90 code. The GPU tier compares them with fp32 autograd on a 152k vocabulary
 
 from __future__ import annotations
 
-import re
-
-from triton_checks import NEEDS_TRITON, compile_for_hopper, run_under_interpreter
+from triton_checks import NEEDS_TRITON, assert_16_byte_stores, compile_for_hopper, run_under_interpreter
 
 CHECK = r"""
 import torch
@@ -70,5 +68,4 @@ def test_vocabulary_kernels_compile_for_hopper_without_a_gpu():
                                  divisible=divisible).asm["ptx"]
         assert "ld.global.v4.b32" in ptx, kernel
         if vector_stores:
-            stores = re.findall(r"\bst\.global\.([\w.]+)", ptx)
-            assert stores and all(kind.startswith("v4.") for kind in stores), stores
+            assert_16_byte_stores(ptx, kernel.__name__)
