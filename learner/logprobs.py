@@ -93,20 +93,14 @@ def _logits_gradient(logits: torch.Tensor, targets: torch.Tensor, normaliser: to
     return ((onehot - probs) * (grad_chosen / temperature).unsqueeze(-1)).to(logits.dtype)
 
 
-def _scores_on(device: torch.device) -> Callable:
+def _vocabulary_work(device: torch.device) -> tuple[Callable, Callable]:
+    """(scores, logits' gradient) on `device`: the Triton kernels on CUDA, the eager reference above
+    elsewhere (Triton is imported on CUDA only)."""
     if device.type != "cuda":
-        return _vocabulary_scores
-    from learner.vocab_kernels import vocabulary_scores_gpu  # Triton: imported on CUDA only
+        return _vocabulary_scores, _logits_gradient
+    from learner.vocab_kernels import logits_gradient_gpu, vocabulary_scores_gpu
 
-    return vocabulary_scores_gpu
-
-
-def _gradient_on(device: torch.device) -> Callable:
-    if device.type != "cuda":
-        return _logits_gradient
-    from learner.vocab_kernels import logits_gradient_gpu
-
-    return logits_gradient_gpu
+    return vocabulary_scores_gpu, logits_gradient_gpu
 
 
 class _ChunkScores(torch.autograd.Function):
@@ -116,7 +110,8 @@ class _ChunkScores(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(hidden, weight, bias)
-        chosen, normaliser, entropy = _scores_on(logits.device)(logits, targets, temperature)
+        scores, _ = _vocabulary_work(logits.device)
+        chosen, normaliser, entropy = scores(logits, targets, temperature)
         ctx.save_for_backward(hidden, weight, bias, targets, normaliser)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -126,8 +121,8 @@ class _ChunkScores(torch.autograd.Function):
     def backward(ctx, grad_chosen: torch.Tensor, _grad_entropy: torch.Tensor):
         hidden, weight, bias, targets, normaliser = ctx.saved_tensors
         logits = F.linear(hidden, weight, bias)  # recomputed: never kept between the passes
-        grad_logits = _gradient_on(logits.device)(logits, targets, normaliser, grad_chosen,
-                                                      ctx.temperature)
+        _, gradient = _vocabulary_work(logits.device)
+        grad_logits = gradient(logits, targets, normaliser, grad_chosen, ctx.temperature)
         grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
