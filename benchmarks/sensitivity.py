@@ -90,6 +90,7 @@ def _learner(model_path: str, policy_format: str, config: QerlConfig, run_dir: s
     with torch.no_grad():
         for param in learner.lora_params:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    learner.lora.sync_copies()
     return learner
 
 

@@ -19,6 +19,7 @@ import torch
 
 from learner.fp8_layers import set_activation_rounding
 from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype, to_device
+from learner.lora_weights import LoraWeights, base_compute_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
     MicroBatchLimits,
@@ -82,13 +83,15 @@ class Learner:
                  served: ServedBase | None = None):
         self.model = model
         keep_lora_inputs_in_base_dtype(model)
+        # before compiling: the layers' graphs take the compute copies as inputs
+        self.lora = LoraWeights(model, base_compute_dtype(model))
         device_type = next(model.parameters()).device.type
         self.compiled_layers = compile_decoder_layers(model) if compiles_layers(config, device_type) else 0
         self.config = config
         self.adapter_dtype = adapter_dtype
         self.served = served
         self.pad_id = model.config.pad_token_id or 0
-        self.lora_params = [p for p in model.parameters() if p.requires_grad]
+        self.lora_params = self.lora.masters
         # on a GPU one fused kernel for every LoRA tensor (the for-each path launches a few per
         # group of tensors: the optimizer's share of a 7B learner profile, BENCHMARKS.md)
         self.optimizer = torch.optim.AdamW(self.lora_params, lr=config.lr, weight_decay=config.weight_decay,
@@ -127,16 +130,17 @@ class Learner:
         lr = self.scheduler.get_last_lr()[0]
         skipped = 0
         for start, stop in slices:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.lora.zero_grad()
             old_slice = None if old is None else old[start:stop]
             loss = self._accumulate_gradients(samples[start:stop], old_slice, temperature, sums, by_lag)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, self.config.grad_clip))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                self.optimizer.zero_grad(set_to_none=True)  # keep the last good weights
+                self.lora.zero_grad()  # keep the last good weights
                 skipped += 1
                 continue
             sums["grad_norm"] += grad_norm
             self.optimizer.step()
+            self.lora.sync_copies()
         if skipped < len(slices):
             self.scheduler.step()
             self.version += 1
@@ -225,6 +229,7 @@ class Learner:
             terms = policy_loss_terms(inputs, config.clip_eps, config.upper_clip(), config.tis_cap, config.kl_coef)
             loss = aggregate(terms.per_token, mask, config.aggregation(), total_seqs, total_tokens)
             loss.backward()
+            self.lora.fold_gradients()
             batch_sums, batch_maxima, kl_rows = _micro_batch_figures(loss, scores, inputs, terms, config.tis_cap)
             totals = totals + batch_sums
             maxima = torch.maximum(maxima, batch_maxima)
@@ -251,7 +256,7 @@ class Learner:
     def export_adapter(self) -> AdapterUpdate:
         """The current LoRA tensors (peft names) in the rollout engine's dtype, tagged with the
         version; converting here, once, spares every worker the conversion."""
-        payload = encode_adapter(lora_state_dict(self.model), self.adapter_dtype)
+        payload = encode_adapter(self.lora.state_dict(), self.adapter_dtype)
         return AdapterUpdate(version=self.version, payload=payload, peft_config=self.peft_config())
 
     def peft_config(self) -> dict:
@@ -259,8 +264,22 @@ class Learner:
         config = self.model.peft_config["default"].to_dict()
         return json.loads(json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
 
+    def adapter_files(self) -> dict[str, bytes]:
+        """A standard peft adapter folder's files, from the fp32 masters (the model may hold
+        16-bit compute copies)."""
+        from safetensors.torch import save as save_safetensors
+
+        adapter = {name: tensor.contiguous() for name, tensor in self.lora.state_dict().items()}
+        return {
+            "adapter_model.safetensors": save_safetensors(adapter, metadata={"format": "pt"}),
+            "adapter_config.json": json.dumps(self.peft_config(), indent=2).encode(),
+        }
+
     def save_adapter(self, folder: str) -> str:
-        self.model.save_pretrained(folder)
+        target = Path(folder)
+        target.mkdir(parents=True, exist_ok=True)
+        for name, content in self.adapter_files().items():
+            (target / name).write_bytes(content)
         return folder
 
     def state_dict(self) -> dict:
@@ -268,7 +287,7 @@ class Learner:
         the RNG. A copy: the optimizer's own state_dict refers to tensors its next step updates
         in place."""
         return {
-            "lora": {name: tensor.clone() for name, tensor in lora_state_dict(self.model).items()},
+            "lora": {name: tensor.clone() for name, tensor in self.lora.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "scheduler": copy.deepcopy(self.scheduler.state_dict()),
             "version": self.version,
@@ -277,7 +296,7 @@ class Learner:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        params = dict(zip(lora_state_dict(self.model), self.lora_params))
+        params = self.lora.state_dict()
         if params.keys() != state["lora"].keys():
             raise ValueError("the checkpoint holds other LoRA tensors than this model (another model or rank?)")
         for name, tensor in state["lora"].items():
@@ -287,6 +306,7 @@ class Learner:
         with torch.no_grad():
             for name, tensor in state["lora"].items():
                 params[name].copy_(tensor)
+        self.lora.sync_copies()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
@@ -298,13 +318,9 @@ class Learner:
         """The learner's part of a checkpoint as file contents (the driver writes them, so a
         learner on another node needs no shared file system): a standard peft adapter folder
         and the resumable state, safetensors + JSON."""
-        from safetensors.torch import save as save_safetensors
-
         tensors, skeleton = encode_state(self.state_dict())
-        adapter = {name: tensor.contiguous() for name, tensor in lora_state_dict(self.model).items()}
         return {
-            "adapter/adapter_model.safetensors": save_safetensors(adapter, metadata={"format": "pt"}),
-            "adapter/adapter_config.json": json.dumps(self.peft_config(), indent=2).encode(),
+            **{f"adapter/{name}": content for name, content in self.adapter_files().items()},
             "learner_state.safetensors": tensors,
             "learner_state.json": skeleton,
         }
@@ -316,9 +332,9 @@ class Learner:
 
     def parameters_snapshot(self) -> dict[str, dict[str, torch.Tensor]]:
         """Copies of the LoRA parameters and of the (packed) base weights and buffers, for tests."""
-        lora, base = {}, {}
-        for name, param in self.model.named_parameters():
-            (lora if param.requires_grad else base)[name] = param.detach().cpu().clone()
+        lora = {name: tensor.cpu().clone() for name, tensor in self.lora.state_dict().items()}
+        base = {name: param.detach().cpu().clone() for name, param in self.model.named_parameters()
+                if not param.requires_grad}
         for name, buffer in self.model.named_buffers():
             base[name] = buffer.detach().cpu().clone()
         return {"lora": lora, "base": base}

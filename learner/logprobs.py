@@ -130,11 +130,12 @@ class _ChunkScores(torch.autograd.Function):
 
 
 def lora_in_compute_dtype(head_weight: torch.Tensor):
-    """Autocast to the base's 16-bit compute dtype (none on an fp32 base): peft keeps the LoRA
-    weights in fp32 (the optimizer's master copy) and would compute every LoRA product in fp32,
-    casting each layer's input up and the result back (the bf16 7B learner profile in
-    BENCHMARKS.md). vLLM computes LoRA in the engine dtype too. Gradient checkpointing
-    recomputes under the same autocast state."""
+    """Autocast to the base's 16-bit compute dtype (none on an fp32 base): a bare peft model
+    keeps its LoRA weights in fp32 and would compute every LoRA product in fp32, casting each
+    layer's input up and the result back (the bf16 7B learner profile in BENCHMARKS.md). A
+    Learner's model already holds 16-bit copies (learner.lora_weights), on which this changes
+    nothing. vLLM computes LoRA in the engine dtype too. Gradient checkpointing recomputes under
+    the same autocast state."""
     dtype = head_weight.dtype
     if dtype == torch.float32:
         return nullcontext()

@@ -103,7 +103,7 @@ def probe_bytes_per_token(learner, samples: list, temperature: float) -> float |
         tokens = len(probe) * (len(longest[0].prompt_ids) + len(longest[0].completion_ids))
         if tokens >= PROBE_TOKENS:
             break
-    learner.optimizer.zero_grad(set_to_none=True)
+    learner.lora.zero_grad()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -113,6 +113,6 @@ def probe_bytes_per_token(learner, samples: list, temperature: float) -> float |
         peak = torch.cuda.max_memory_allocated()
     except torch.cuda.OutOfMemoryError:
         peak = None
-    learner.optimizer.zero_grad(set_to_none=True)
+    learner.lora.zero_grad()
     torch.cuda.empty_cache()
     return None if peak is None else (peak - before) / tokens

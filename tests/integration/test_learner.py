@@ -212,6 +212,7 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
         for mine, theirs in zip(bf16.lora_params, fp32.lora_params):
             mine.copy_(torch.randn_like(mine) * 0.05)
             theirs.copy_(mine)
+    bf16.lora.sync_copies()
     seen = []
     for name, module in bf16.model.named_modules():
         if name.endswith("lora_A.default"):
@@ -256,3 +257,35 @@ def test_compiled_decoder_layers_train_as_the_eager_ones(tiny_model, tmp_path, p
     assert scale > 0
     worst = max((a - b).abs().max().item() for a, b in zip(compiled_grads, eager_grads)) / scale
     assert worst < 1e-4, worst
+
+
+def test_bf16_compute_copies_train_bit_for_bit_as_autocast_over_fp32_weights(tiny_model, monkeypatch):
+    """learner.lora_weights: 16-bit copies refreshed once per optimizer step and the gradients
+    summed into the fp32 masters once per micro-batch give the very weights that autocast over
+    the fp32 LoRA weights gives (the same rounding, the same fp32 sums in the same order)."""
+    import learner.actor as actor
+    from learner.model import add_lora, load_base
+
+    def trained(copies: bool) -> tuple[list[float], dict[str, torch.Tensor], Learner]:
+        if not copies:  # the masters stay in the model, autocast rounds them at every use
+            monkeypatch.setattr(actor, "base_compute_dtype", lambda model: torch.float32)
+        torch.manual_seed(0)
+        model = add_lora(load_base(tiny_model, "bf16"), 4, 8, "all-linear")
+        learner = Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2, micro_batch_size=3, mini_batches=2),
+                          torch.bfloat16)
+        monkeypatch.undo()
+        losses = [learner.train_step(train_samples(), 1.0)["learner/loss"] for _ in range(3)]
+        return losses, learner.lora.state_dict(), learner
+
+    losses, weights, learner = trained(copies=True)
+    want_losses, want_weights, reference = trained(copies=False)
+    assert learner.lora.split and not reference.lora.split
+    assert {p.dtype for p in learner.model.parameters() if p.requires_grad} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in learner.lora_params)
+    assert losses == want_losses
+    assert weights.keys() == want_weights.keys()
+    assert all(torch.equal(weights[name], want_weights[name]) for name in weights)
+    assert any(not torch.equal(weights[name], torch.zeros_like(weights[name])) for name in weights if "lora_B" in name)
+    # the copies are the masters rounded, so exports and checkpoints (masters) match the model
+    copies = {name.replace(".default.", "."): p for name, p in learner.model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(copies[name], weights[name].to(torch.bfloat16)) for name in weights)
