@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors
 
 
 def base_compute_dtype(model: nn.Module) -> torch.dtype:
@@ -60,8 +61,9 @@ class LoraWeights:
         grads = [copy.grad for copy in self.copies]
         if all(grad is None for grad in grads):
             return
-        flat = torch.cat([grad.reshape(-1) if grad is not None else self._copy_flat.new_zeros(size)
-                          for grad, size in zip(grads, self._sizes)])
+        # one C++ call flattens them all (a Python loop of reshapes costs the host ~1 ms at 7B)
+        flat = _flatten_dense_tensors([grad if grad is not None else torch.zeros_like(copy)
+                                       for grad, copy in zip(grads, self.copies)])
         for copy in self.copies:
             copy.grad = None
         if self._gradient_sum is None or self.masters[0].grad is None:  # also after optimizer.zero_grad
