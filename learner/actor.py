@@ -409,17 +409,6 @@ def _micro_batch_figures(loss: torch.Tensor, scores, inputs: PolicyLossInputs, t
     return sums.double(), torch.stack([ratio.max(), (log_ratio.abs() * mask).max()]), kl_rows
 
 
-def lora_state_dict(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """The trainable LoRA tensors under peft's saved names (what `get_peft_model_state_dict`
-    returns for a plain LoRA), without its walks over every module and, on an NF4 base, the
-    packing of every quantization state: those cost tens of ms per export."""
-    return {
-        name.replace(f".{adapter_name}.", "."): param.detach()
-        for name, param in model.named_parameters()
-        if param.requires_grad
-    }
-
-
 def compiles_layers(config: LearnerConfig, device_type: str) -> bool:
     """`auto`: on a GPU, for every base (fp8 ones with `learner.model.inductor_options`); a CPU
     runs the layers eager."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from train_samples import train_samples
 
-from learner.actor import Learner, LearnerSpec, build_learner, lora_state_dict, new_step_sums
+from learner.actor import Learner, LearnerSpec, build_learner, new_step_sums
 from shared.config import LearnerConfig, LoraConfig, PolicyConfig
 from shared.types import TrainSample
 
@@ -35,7 +35,7 @@ def test_gradient_does_not_depend_on_the_micro_batch_size(tiny_model, tmp_path):
         learner.optimizer.zero_grad()
         sums = new_step_sums()
         learner._accumulate_gradients(train_samples(), None, 1.0, sums)
-        grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
+        grads.append({name: p.grad.clone() for name, p in zip(learner.lora.names, learner.lora_params)})
     for other in grads[1:]:
         for name, grad in grads[0].items():
             assert torch.allclose(other[name], grad, rtol=1e-4, atol=1e-7), name
@@ -53,7 +53,7 @@ def test_state_dict_round_trip_continues_bit_for_bit(tiny_model, tmp_path):
     assert resumed.version == 1
     got = resumed.train_step(train_samples(), 1.0)
     assert got["learner/loss"] == expected["learner/loss"]
-    after, want = lora_state_dict(resumed.model), lora_state_dict(straight.model)
+    after, want = resumed.lora.state_dict(), straight.lora.state_dict()
     assert all(torch.equal(after[name], want[name]) for name in want)
 
 
@@ -79,17 +79,17 @@ def test_checkpoint_files_round_trip_through_bytes_bit_for_bit(tiny_model, tmp_p
     assert resumed.load_checkpoint_files(files) == 1
     got = resumed.train_step(train_samples(), 1.0)
     assert got["learner/loss"] == expected["learner/loss"] and got["learner/lr"] == expected["learner/lr"]
-    after, want = lora_state_dict(resumed.model), lora_state_dict(straight.model)
+    after, want = resumed.lora.state_dict(), straight.lora.state_dict()
     assert all(torch.equal(after[name], want[name]) for name in want)
 
 
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model, tmp_path):
     learner = _learner(tiny_model, tmp_path, lr=1e-2)
-    before = {name: t.clone() for name, t in lora_state_dict(learner.model).items()}
+    before = {name: t.clone() for name, t in learner.lora.state_dict().items()}
     poisoned = [TrainSample(s.prompt_ids, s.completion_ids, s.rollout_logprobs, float("nan")) for s in train_samples()]
     stats = learner.train_step(poisoned, 1.0)
     assert stats["learner/skipped_steps"] == 1.0 and learner.version == 0
-    assert all(torch.equal(t, before[name]) for name, t in lora_state_dict(learner.model).items())
+    assert all(torch.equal(t, before[name]) for name, t in learner.lora.state_dict().items())
     assert learner.train_step(train_samples(), 1.0)["learner/skipped_steps"] == 0.0 and learner.version == 1
 
 
@@ -113,7 +113,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model, tmp_path):
         learner = _learner(tiny_model, tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
         learner.optimizer.zero_grad()
         learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
-        grads.append({name: p.grad.clone() for name, p in zip(lora_state_dict(learner.model), learner.lora_params)})
+        grads.append({name: p.grad.clone() for name, p in zip(learner.lora.names, learner.lora_params)})
     assert all(torch.allclose(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-8) for name in grads[0])
 
 
@@ -191,7 +191,7 @@ def test_learner_export_names_match_peft(tiny_model, tmp_path):
     from peft import get_peft_model_state_dict
 
     learner = build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), LearnerConfig(), str(tmp_path)))
-    ours, peft_names = lora_state_dict(learner.model), get_peft_model_state_dict(learner.model)
+    ours, peft_names = learner.lora.state_dict(), get_peft_model_state_dict(learner.model)
     assert ours.keys() == peft_names.keys() and len(ours) > 0
     assert all(torch.equal(ours[name], peft_names[name]) for name in ours)
 
