@@ -87,10 +87,9 @@ def _learner(model_path: str, policy_format: str, config: QerlConfig, run_dir: s
                             PolicyConfig(format=policy_format), "bfloat16", config.train.seed, device)
     learner = build_learner(spec, log=lambda *_: None)
     generator = torch.Generator().manual_seed(config.train.seed)
-    with torch.no_grad():
-        for param in learner.lora_params:
+    with learner.lora.edited() as params:
+        for param in params:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    learner.lora.sync_copies()
     return learner
 
 

@@ -12,6 +12,9 @@ each micro-batch's gradient computed in it and summed in fp32 in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors
@@ -27,8 +30,8 @@ class LoraWeights:
 
     On construction the masters are moved into one flat fp32 buffer and, when `compute_dtype`
     differs from theirs, `model` gets a Parameter of that dtype in each master's place (views of
-    a second flat buffer). After each backward call `fold_gradients`; after changing the masters
-    (optimizer step, loading a checkpoint) call `sync_copies`.
+    a second flat buffer). After each backward call `fold_gradients`; after the optimizer step
+    call `sync_copies`; write the masters anywhere else inside `edited()`.
     """
 
     def __init__(self, model: nn.Module, compute_dtype: torch.dtype):
@@ -78,6 +81,14 @@ class LoraWeights:
         self._gradient_sum = None
         for param in (*self.masters, *self.copies):
             param.grad = None
+
+    @contextmanager
+    def edited(self) -> Iterator[list[nn.Parameter]]:
+        """The masters to write in place (no autograd); the compute copies follow on exit. A
+        write outside would leave the layers computing with the old weights."""
+        with torch.no_grad():
+            yield self.masters
+        self.sync_copies()
 
     @torch.no_grad()
     def sync_copies(self) -> None:

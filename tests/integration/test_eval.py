@@ -38,8 +38,8 @@ def test_qerl_eval_matches_the_learners_greedy_decoding(tiny_model, tmp_path, ca
     learner = build_learner(LearnerSpec(str(tiny_model), config.lora, config.learner, str(tmp_path / "scratch"),
                                         config.policy, config.engine_dtype(), seed=0))
     # move the adapter off zero so that the eval really serves it
-    with torch.no_grad():
-        for param in learner.lora_params:
+    with learner.lora.edited() as params:
+        for param in params:
             param.add_(torch.randn_like(param) * 0.05)
     adapter = learner.save_adapter(str(tmp_path / "adapter"))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)

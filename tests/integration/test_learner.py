@@ -155,8 +155,8 @@ def test_chunked_completion_logprobs_equal_the_full_vocabulary_reference(tiny_mo
 
     monkeypatch.setattr(logprobs, "LOGIT_CHUNK_TOKENS", chunk)
     learner = _learner(tiny_model, tmp_path)
-    with torch.no_grad():
-        for param in learner.lora_params:  # a non-zero adapter, so LoRA takes part
+    with learner.lora.edited() as params:
+        for param in params:  # a non-zero adapter, so LoRA takes part
             param.add_(torch.randn_like(param) * 0.05)
     pairs = [(s.prompt_ids, s.completion_ids) for s in train_samples(6)]
     scores = logprobs.completion_logprobs(learner.model, pairs, 0.7, learner.pad_id)
@@ -208,11 +208,10 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
         return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2), torch.bfloat16)
 
     bf16, fp32 = learner_in("bf16"), learner_in("fp32")
-    with torch.no_grad():
-        for mine, theirs in zip(bf16.lora_params, fp32.lora_params):
-            mine.copy_(torch.randn_like(mine) * 0.05)
-            theirs.copy_(mine)
-    bf16.lora.sync_copies()
+    with bf16.lora.edited() as mine, fp32.lora.edited() as theirs:
+        for ours, reference in zip(mine, theirs):
+            ours.copy_(torch.randn_like(ours) * 0.05)
+            reference.copy_(ours)
     seen = []
     for name, module in bf16.model.named_modules():
         if name.endswith("lora_A.default"):

@@ -23,8 +23,8 @@ def test_compiled_layers_on_the_gpu_give_the_eager_gradients(tiny_model, tmp_pat
                            policy=PolicyConfig(format=policy_format), rollout_dtype="bfloat16", seed=0,
                            device="cuda")
         learner = build_learner(spec)
-        with torch.no_grad():
-            for param in learner.lora_params:  # a non-zero adapter, so LoRA takes part
+        with learner.lora.edited() as params:
+            for param in params:  # a non-zero adapter, so LoRA takes part
                 param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.05)
         assert all(p.dtype == torch.float32 for p in learner.lora_params)
         loss = learner._accumulate_gradients(train_samples(), None, 1.0, new_step_sums())
