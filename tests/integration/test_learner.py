@@ -288,3 +288,25 @@ def test_bf16_compute_copies_train_bit_for_bit_as_autocast_over_fp32_weights(tin
     # the copies are the masters rounded, so exports and checkpoints (masters) match the model
     copies = {name.replace(".default.", "."): p for name, p in learner.model.named_parameters() if p.requires_grad}
     assert all(torch.equal(copies[name], weights[name].to(torch.bfloat16)) for name in weights)
+
+
+def test_a_bf16_learner_resumes_bit_for_bit_through_its_compute_copies(tiny_model):
+    """load_state_dict writes the fp32 masters and refreshes the 16-bit copies the layers use."""
+    from learner.model import add_lora, load_base
+
+    def bf16_learner() -> Learner:
+        torch.manual_seed(0)
+        model = add_lora(load_base(tiny_model, "bf16"), 4, 8, "all-linear")
+        return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2, micro_batch_size=5), torch.bfloat16)
+
+    straight = bf16_learner()
+    straight.train_step(train_samples(), 1.0)
+    saved = straight.state_dict()
+    expected = straight.train_step(train_samples(), 1.0)
+    resumed = bf16_learner()
+    assert resumed.lora.split
+    resumed.load_state_dict(saved)
+    got = resumed.train_step(train_samples(), 1.0)
+    assert got["learner/loss"] == expected["learner/loss"]
+    after, want = resumed.lora.state_dict(), straight.lora.state_dict()
+    assert all(torch.equal(after[name], want[name]) for name in want)
