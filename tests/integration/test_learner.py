@@ -20,6 +20,15 @@ def _learner(tiny_model, tmp_path, **overrides) -> Learner:
     return build_learner(LearnerSpec(str(tiny_model), LoraConfig(rank=4, alpha=8), config, str(tmp_path), seed=0))
 
 
+def _learner_on(tiny_model, base_format: str, **config) -> Learner:
+    """A learner on the tiny model loaded in `base_format`, its LoRA drawn from seed 0."""
+    from learner.model import add_lora, load_base
+
+    torch.manual_seed(0)
+    model = add_lora(load_base(tiny_model, base_format), 4, 8, "all-linear")
+    return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2, **config), torch.bfloat16)
+
+
 
 def test_several_mini_batches_clip_tokens_and_one_does_not(tiny_model, tmp_path):
     one = _learner(tiny_model, tmp_path / "a", lr=5e-2, mini_batches=1).train_step(train_samples(), 1.0)
@@ -200,14 +209,7 @@ def test_lora_computes_in_the_bf16_base_dtype_from_fp32_master_weights(tiny_mode
     """On a 16-bit base the LoRA products run in that dtype (peft would cast every layer's
     input up to the fp32 LoRA weights), while the weights, their gradients and the optimizer
     stay fp32; the logprobs agree with an all-fp32 learner holding the same adapter."""
-    from learner.model import add_lora, load_base
-
-    def learner_in(base_format: str) -> Learner:
-        torch.manual_seed(0)
-        model = add_lora(load_base(tiny_model, base_format), 4, 8, "all-linear")
-        return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2), torch.bfloat16)
-
-    bf16, fp32 = learner_in("bf16"), learner_in("fp32")
+    bf16, fp32 = _learner_on(tiny_model, "bf16"), _learner_on(tiny_model, "fp32")
     with bf16.lora.edited() as mine, fp32.lora.edited() as theirs:
         for ours, reference in zip(mine, theirs):
             ours.copy_(torch.randn_like(ours) * 0.05)
@@ -263,15 +265,11 @@ def test_bf16_compute_copies_train_bit_for_bit_as_autocast_over_fp32_weights(tin
     summed into the fp32 masters once per micro-batch give the very weights that autocast over
     the fp32 LoRA weights gives (the same rounding, the same fp32 sums in the same order)."""
     import learner.actor as actor
-    from learner.model import add_lora, load_base
 
     def trained(copies: bool) -> tuple[list[float], dict[str, torch.Tensor], Learner]:
         if not copies:  # the masters stay in the model, autocast rounds them at every use
             monkeypatch.setattr(actor, "base_compute_dtype", lambda model: torch.float32)
-        torch.manual_seed(0)
-        model = add_lora(load_base(tiny_model, "bf16"), 4, 8, "all-linear")
-        learner = Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2, micro_batch_size=3, mini_batches=2),
-                          torch.bfloat16)
+        learner = _learner_on(tiny_model, "bf16", micro_batch_size=3, mini_batches=2)
         monkeypatch.undo()
         losses = [learner.train_step(train_samples(), 1.0)["learner/loss"] for _ in range(3)]
         return losses, learner.lora.state_dict(), learner
@@ -292,18 +290,11 @@ def test_bf16_compute_copies_train_bit_for_bit_as_autocast_over_fp32_weights(tin
 
 def test_a_bf16_learner_resumes_bit_for_bit_through_its_compute_copies(tiny_model):
     """load_state_dict writes the fp32 masters and refreshes the 16-bit copies the layers use."""
-    from learner.model import add_lora, load_base
-
-    def bf16_learner() -> Learner:
-        torch.manual_seed(0)
-        model = add_lora(load_base(tiny_model, "bf16"), 4, 8, "all-linear")
-        return Learner(model, LearnerConfig(warmup_steps=0, lr=1e-2, micro_batch_size=5), torch.bfloat16)
-
-    straight = bf16_learner()
+    straight = _learner_on(tiny_model, "bf16", micro_batch_size=5)
     straight.train_step(train_samples(), 1.0)
     saved = straight.state_dict()
     expected = straight.train_step(train_samples(), 1.0)
-    resumed = bf16_learner()
+    resumed = _learner_on(tiny_model, "bf16", micro_batch_size=5)
     assert resumed.lora.split
     resumed.load_state_dict(saved)
     got = resumed.train_step(train_samples(), 1.0)
