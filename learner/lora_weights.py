@@ -3,8 +3,8 @@ copies in the base's dtype that the layers compute with.
 
 Under autocast every layer call would cast each fp32 LoRA weight down and, in backward, its
 gradient back up, and autograd would add each gradient into its fp32 sum on its own: three small
-kernels per LoRA tensor and micro-batch (about 1,200 launches a micro-batch on a 7B model, where
-the learner is bound by the host's launches; BENCHMARKS.md). Here the copies are refreshed once
+kernels per LoRA tensor and micro-batch (hundreds of launches on a 7B model, whose learner is
+bound by the host's launches; BENCHMARKS.md has the profile). Here the copies are refreshed once
 per optimizer step (one kernel), and a micro-batch's gradients are gathered and added to the fp32
 sums in two. The arithmetic is the one autocast does: the weights rounded to the base's dtype,
 each micro-batch's gradient computed in it and summed in fp32 in the same order.
@@ -64,7 +64,7 @@ class LoraWeights:
         grads = [copy.grad for copy in self.copies]
         if all(grad is None for grad in grads):
             return
-        # one C++ call flattens them all (a Python loop of reshapes costs the host ~1 ms at 7B)
+        # one C++ call flattens them all, not a Python loop of reshapes over every tensor
         flat = _flatten_dense_tensors([grad if grad is not None else torch.zeros_like(copy)
                                        for grad, copy in zip(grads, self.copies)])
         for copy in self.copies:
