@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from learner.fp8_layers import set_activation_rounding
-from learner.logprobs import completion_logprobs, keep_lora_inputs_in_base_dtype, to_device
+from learner.logprobs import completion_logprobs, to_device
 from learner.lora_weights import LoraWeights, base_compute_dtype
 from learner.losses import PolicyLossInputs, aggregate, policy_loss_terms
 from learner.memory_budget import (
@@ -82,8 +82,8 @@ class Learner:
     def __init__(self, model: torch.nn.Module, config: LearnerConfig, adapter_dtype: torch.dtype,
                  served: ServedBase | None = None):
         self.model = model
-        keep_lora_inputs_in_base_dtype(model)
-        # before compiling: the layers' graphs take the compute copies as inputs
+        # before compiling: the layers' graphs take the compute copies as inputs (in the base's
+        # dtype, so peft's cast of each LoRA input to its weights' dtype does nothing)
         self.lora = LoraWeights(model, base_compute_dtype(model))
         device_type = next(model.parameters()).device.type
         self.compiled_layers = compile_decoder_layers(model) if compiles_layers(config, device_type) else 0

@@ -142,18 +142,6 @@ def lora_in_compute_dtype(head_weight: torch.Tensor):
     return torch.autocast(head_weight.device.type, dtype=dtype)
 
 
-def keep_lora_inputs_in_base_dtype(model) -> None:
-    """On a 16-bit base, LoRA layers take their input as it comes (peft would cast it to the
-    fp32 LoRA weights' dtype); `completion_logprobs` runs them under autocast instead."""
-    from peft.tuners.lora import LoraLayer
-
-    if model.get_output_embeddings().weight.dtype == torch.float32:
-        return
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.cast_input_dtype_enabled = False
-
-
 def completion_logprobs(
     model, pairs: list[tuple[list[int], list[int]]], temperature: float, pad_id: int
 ) -> TokenScores:

@@ -69,7 +69,7 @@ class LoraWeights:
                                        for grad, copy in zip(grads, self.copies)])
         for copy in self.copies:
             copy.grad = None
-        if self._gradient_sum is None or self.masters[0].grad is None:  # also after optimizer.zero_grad
+        if self.masters[0].grad is None:  # the first since zero_grad (ours or the optimizer's)
             self._gradient_sum = flat.to(self._master_flat.dtype)
             for master, view in zip(self.masters, self._gradient_sum.split(self._sizes)):
                 master.grad = view.view_as(master)
