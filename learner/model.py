@@ -122,17 +122,20 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
     return len(layers)
 
 
-def inductor_options(model) -> dict | None:
-    """Inductor settings for the compiled layers. A base with fp8 (W8A8) layers rounds to 16 bits
+def inductor_options(model) -> dict:
+    """Inductor settings for the compiled layers. LoRA's down-projections on a shared input run
+    as one GEMM (learner.lora_graph_pass). A base with fp8 (W8A8) layers rounds to 16 bits
     wherever eager PyTorch does (emulate_precision_casts): Inductor otherwise keeps fused
     intermediates in fp32, and fp8's 3-bit mantissa turns those 1-ulp differences into code
     flips (the compiled layers' LoRA gradients were 13 % off the eager ones on an H100, 0.0 %
     with the setting; docs/training.md)."""
     from learner.fp8_layers import Fp8Linear
+    from learner.lora_graph_pass import FuseSharedInputLoraA
 
+    options = {"pre_grad_custom_pass": FuseSharedInputLoraA()}
     if any(isinstance(module, Fp8Linear) for module in model.modules()):
-        return {"emulate_precision_casts": True}
-    return None
+        options["emulate_precision_casts"] = True
+    return options
 
 
 def dequantized_state_dict(model) -> dict[str, torch.Tensor]:
