@@ -67,41 +67,54 @@ def test_fp8_layers_stay_inside_the_one_compiled_graph():
                                                                            dict(counters["graph_break"]))
 
 
+
 def test_lora_down_projections_on_one_input_run_as_one_gemm():
     """learner.lora_graph_pass on the graphs dynamo traces from LoRA'd decoder layers: q/k/v's
     and gate/up's lora_A become one linear each (o's and down's read their own inputs and stay),
-    and the layers give the gradients of the untouched model."""
+    so autograd's graphs of a layer hold 3 matmuls fewer in forward and 6 in backward, and the
+    layers give the gradients of the unfused ones."""
     import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
 
-    from learner.lora_graph_pass import LINEAR_OPS, fuse_shared_input_lora_a
+    from learner.lora_graph_pass import fuse_shared_input_lora_a
 
-    model = add_lora(_small_qwen2(layers=2), rank=4, alpha=8, target_modules="all-linear")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:  # peft starts B at zero, which would hide a wrong A product
-                param.normal_(std=0.1)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     pairs = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]
 
-    def lora_gradients() -> list[torch.Tensor]:
-        model.zero_grad()
+    def compiled_layers(fuse: bool) -> tuple[list[torch.Tensor], dict[str, set[int]]]:
+        counts: dict[str, set[int]] = {"forward": set(), "backward": set()}
+
+        def counting(side: str):
+            def compiler(gm: torch.fx.GraphModule, example_inputs):
+                counts[side].add(sum(node.target in matmuls for node in gm.graph.nodes))
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        def backend(gm: torch.fx.GraphModule, example_inputs):
+            if fuse:
+                assert fuse_shared_input_lora_a(gm.graph) == 2
+                gm.recompile()
+            return aot_module_simplified(gm, example_inputs, fw_compiler=counting("forward"),
+                                         bw_compiler=counting("backward"))
+
+        torch._dynamo.reset()
+        model = add_lora(_small_qwen2(layers=2), rank=4, alpha=8, target_modules="all-linear")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # peft starts B at zero, which would hide a wrong A product
+                    param.normal_(generator=torch.Generator().manual_seed(len(name)), std=0.1)
+        for layer in model.get_base_model().get_decoder().layers:
+            layer.compile(dynamic=True, backend=backend)
         scores = completion_logprobs(model, pairs, 1.0, pad_id=0)
         (scores.logprobs * scores.mask).sum().backward()
-        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        return [p.grad for p in model.parameters() if p.requires_grad], counts
 
-    reference = lora_gradients()
-    linears_per_graph = []
-
-    def fusing_backend(gm: torch.fx.GraphModule, example_inputs):
-        assert fuse_shared_input_lora_a(gm.graph) == 2
-        gm.recompile()
-        linears_per_graph.append(sum(node.target in LINEAR_OPS for node in gm.graph.nodes))
-        return gm.forward
-
-    torch._dynamo.reset()
-    for layer in model.get_base_model().get_decoder().layers:
-        layer.compile(dynamic=True, backend=fusing_backend)
-    fused = lora_gradients()
-    # 7 base + 7 lora_B + 4 lora_A (one q/k/v, one gate/up, o's, down's) instead of 21
-    assert linears_per_graph and set(linears_per_graph) == {18}, linears_per_graph
-    worst = max((a - b).abs().max().item() for a, b in zip(fused, reference))
+    unfused, unfused_counts = compiled_layers(fuse=False)
+    fused, fused_counts = compiled_layers(fuse=True)
+    # forward: 7 base + 7 lora_A + 7 lora_B; backward: the input's gradient of each and the LoRA
+    # weights' (the first layer's graph, whose input carries no gradient, has fewer)
+    assert unfused_counts == {"forward": {21}, "backward": {29, 35}}, unfused_counts
+    assert fused_counts == {"forward": {18}, "backward": {25, 29}}, fused_counts
+    worst = max((a - b).abs().max().item() for a, b in zip(fused, unfused))
     assert worst < 1e-5, worst
