@@ -26,27 +26,33 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 LINEAR_OPS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
-def _lora_a_weight(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The weight input of a bias-free linear `node` on a `lora_A` weight, else None."""
+def _linear_arguments(node: torch.fx.Node) -> tuple | None:
+    """(input, weight, bias) of a linear `node`, positional or keyword; None for other nodes."""
     if node.op != "call_function" or node.target not in LINEAR_OPS:
         return None
     args = list(node.args) + [None] * (3 - len(node.args))
-    weight = node.kwargs.get("weight", args[1])
-    bias = node.kwargs.get("bias", args[2])
+    return tuple(node.kwargs.get(name, arg) for name, arg in zip(("input", "weight", "bias"), args))
+
+
+def _lora_a_weight(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The weight input of a bias-free linear `node` on a `lora_A` weight, else None."""
+    arguments = _linear_arguments(node)
+    if arguments is None:
+        return None
+    _, weight, bias = arguments
     if bias is not None or not isinstance(weight, torch.fx.Node) or weight.op != "placeholder":
         return None
     return weight if "lora_a" in weight.name.lower() else None
 
 
-def shared_input_groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
-    """The `lora_A` linear nodes of `graph` grouped by the input node they read; groups of two or
-    more, in graph order."""
+def shared_input_groups(graph: torch.fx.Graph) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """The `lora_A` linear nodes of `graph` by the input node they read, in graph order; inputs
+    read by two or more."""
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if _lora_a_weight(node) is not None:
-            source = node.kwargs.get("input", node.args[0] if node.args else None)
-            groups[source].append(node)
-    return [nodes for nodes in groups.values() if len(nodes) > 1]
+            groups[_linear_arguments(node)[0]].append(node)
+    return {source: nodes for source, nodes in groups.items() if len(nodes) > 1}
 
 
 def _example(node: torch.fx.Node):
@@ -57,12 +63,11 @@ def fuse_shared_input_lora_a(graph: torch.fx.Graph) -> int:
     """Rewrite each group of `lora_A` linears on one input as one linear on their concatenated
     weights, split back; returns how many groups were fused."""
     fused = 0
-    for nodes in shared_input_groups(graph):
+    for source, nodes in shared_input_groups(graph).items():
         weights = [_lora_a_weight(node) for node in nodes]
         examples = [_example(weight) for weight in weights]
         if any(example is None for example in examples) or len({(e.dtype, e.shape[1]) for e in examples}) != 1:
             continue  # unlike weights (or no shape to read): leave them apart
-        source = nodes[0].kwargs.get("input", nodes[0].args[0])
         widths = [int(example.shape[0]) for example in examples]
         with graph.inserting_before(nodes[0]):
             weight = graph.call_function(torch.cat, (weights,), {"dim": 0})
