@@ -67,7 +67,6 @@ def test_fp8_layers_stay_inside_the_one_compiled_graph():
                                                                            dict(counters["graph_break"]))
 
 
-
 def test_lora_down_projections_on_one_input_run_as_one_gemm():
     """learner.lora_graph_pass on the graphs dynamo traces from LoRA'd decoder layers: q/k/v's
     and gate/up's lora_A become one linear each (o's and down's read their own inputs and stay),
