@@ -131,6 +131,10 @@ def start_run(config: QerlConfig, log=print, resuming: bool = False) -> Run:
         if not resuming:  # a resumed run's, once its checkpoint has loaded
             write_run_config(run_dir, config)
         log(f"[qerl] learner ready ({config.policy.format}: {info['summary']}{gpu_memory_note(info)})")
+        if info["compiled_layers"]:  # else a silent first step of minutes looks like a hang
+            log(f"[qerl] the learner's first step also compiles its {info['compiled_layers']} decoder layers' "
+                f"graph (minutes on a large model, once; learner.compile_layers=false "
+                f"skips it)")
         pool = start_pool(config, info, config.lora.rank, log, log_dir)
         control = ControlChannel(run_dir)
     except BaseException:

@@ -111,7 +111,8 @@ class Learner:
         """What the driver needs once the learner is built (and a check that it was)."""
         gpu_gib = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
         summary = POLICY_FORMATS[self.served.policy_format].summary if self.served else "no served base"
-        return {"served": self.served, "summary": summary, "gpu_memory_gib": gpu_gib}
+        return {"served": self.served, "summary": summary, "gpu_memory_gib": gpu_gib,
+                "compiled_layers": self.compiled_layers}
 
     def train_step(self, samples: list[TrainSample], temperature: float) -> dict[str, float]:
         """`learner.mini_batches` optimizer steps over `samples` (each in micro-batches), then one
