@@ -119,7 +119,16 @@ def compile_decoder_layers(model, backend: str = "inductor") -> int:
     options = inductor_options(model) if backend == "inductor" else None
     for layer in layers:
         layer.compile(dynamic=True, backend=backend, options=options)
+    # the first layer's input (frozen embeddings) would carry no gradient and the others' would:
+    # dynamo guards on that, so a training pass compiled two graphs. The price of one: layer 0's
+    # input gradient, its q/k/v projections' share of one layer's backward.
+    causal.get_input_embeddings().register_forward_hook(_output_requires_grad)
     return len(layers)
+
+
+def _output_requires_grad(module, inputs, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and not output.requires_grad:  # not under no_grad: one graph there already
+        output.requires_grad_(True)
 
 
 def inductor_options(model) -> dict:
