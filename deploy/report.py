@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from shared.errors import QerlError, read_utf8
-from shared.metrics import reward_trend
+from shared.metrics import reward_trend, steps_phrase
 
 # (metric key, panel title, y scale): "log" drops values <= 0 (a log axis cannot show them),
 # "log-if-positive" is log when the runs have positive values (AQN sigma is 0 outside its stages).
@@ -160,7 +160,7 @@ def summary_lines(runs: list[RunCurves]) -> list[str]:
                     and not isinstance(r["rollout/reward_mean"], bool) and math.isfinite(r["rollout/reward_mean"])]
         if rewarded:
             window, first, last = reward_trend(rewarded)
-            reward = f"reward first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
+            reward = f"reward first {steps_phrase(window)} {first:.3f} -> last {steps_phrase(window)} {last:.3f}"
         else:
             reward = "no reward logged"
         eval_steps, eval_values = _curve(run.records, "eval/accuracy")

@@ -24,7 +24,7 @@ def test_report_on_a_reward_that_is_not_a_number(tmp_path, capsys, reward):
     (run / "metrics.jsonl").write_text(f'{{"step": 0, "rollout/reward_mean": {reward}}}\n'
                                        '{"step": 1, "rollout/reward_mean": 0.5}\n')
     assert main(["report", str(run)]) == 0
-    assert "reward first 1 steps 0.500 -> last 1 steps 0.500" in capsys.readouterr().out
+    assert "reward first step 0.500 -> last step 0.500" in capsys.readouterr().out
 
 
 def test_report_out_under_a_file(tmp_path, capsys):
