@@ -22,6 +22,9 @@ def _small_qwen2(layers: int):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).requires_grad_(False)
 
 
+PAIRS = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]  # two lengths: an attention mask
+
+
 def _compiled_training_pass(model) -> dict:
     """Compile `model`'s 6 decoder layers, run a forward and backward, return dynamo's counters."""
     import torch._dynamo
@@ -30,8 +33,7 @@ def _compiled_training_pass(model) -> dict:
     assert compile_decoder_layers(model, backend="eager") == 6
     torch._dynamo.reset()
     counters.clear()
-    pairs = [([5, 6, 7], [8, 9, 10, 11]), ([5, 6], [8, 9, 10])]
-    scores = completion_logprobs(model, pairs, 1.0, pad_id=0)
+    scores = completion_logprobs(model, PAIRS, 1.0, pad_id=0)
     (scores.logprobs * scores.mask).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     return counters
@@ -42,6 +44,17 @@ def test_all_decoder_layers_run_one_compiled_graph():
     # one graph whatever the depth: the embeddings' output is made to carry a gradient like the
     # other layers' inputs (else the first layer compiles a second graph)
     assert counters["frames"]["ok"] == 1, dict(counters["frames"])
+
+
+def test_a_pass_without_gradients_adds_one_graph_for_all_layers():
+    """The old-policy and reference logprobs run under no_grad: dynamo compiles that grad mode once
+    more, and for every layer alike (the embeddings' output gets a gradient only where autograd
+    records one; else layer 0 would compile a graph of its own there)."""
+    model = add_lora(_small_qwen2(layers=6), rank=4, alpha=8, target_modules="all-linear")
+    counters = _compiled_training_pass(model)
+    with torch.no_grad():
+        completion_logprobs(model, PAIRS, 1.0, pad_id=0)
+    assert counters["frames"]["ok"] == 2, dict(counters["frames"])
 
 
 def test_fp8_layers_stay_inside_the_one_compiled_graph():
