@@ -160,7 +160,8 @@ def summary_lines(runs: list[RunCurves]) -> list[str]:
                     and not isinstance(r["rollout/reward_mean"], bool) and math.isfinite(r["rollout/reward_mean"])]
         if rewarded:
             window, first, last = reward_trend(rewarded)
-            reward = f"reward first {steps_phrase(window)} {first:.3f} -> last {steps_phrase(window)} {last:.3f}"
+            steps = steps_phrase(window)
+            reward = f"reward first {steps} {first:.3f} -> last {steps} {last:.3f}"
         else:
             reward = "no reward logged"
         eval_steps, eval_values = _curve(run.records, "eval/accuracy")

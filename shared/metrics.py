@@ -74,7 +74,8 @@ def reward_trend(records: list[dict]) -> tuple[int, float, float]:
 def reward_trend_line(records: list[dict]) -> str:
     """Mean reward over the first and the last tenth of the steps: did it learn?"""
     window, first, last = reward_trend(records)
-    return f"[qerl] mean reward, first {steps_phrase(window)}: {first:.3f} -> last {steps_phrase(window)}: {last:.3f}"
+    steps = steps_phrase(window)
+    return f"[qerl] mean reward, first {steps}: {first:.3f} -> last {steps}: {last:.3f}"
 
 
 def steps_phrase(count: int) -> str:
